@@ -1,0 +1,3 @@
+import sys
+from ipyfence.cli import main
+main()

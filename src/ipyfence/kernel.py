@@ -1,0 +1,385 @@
+"""KernelSession: one sandboxed IPython kernel (plus a warm standby) behind a lock.
+
+Launch: the sandbox argv is prepended to the kernel command and handed to jupyter_client as
+a kernel spec. Channels use the ``ipc`` ZMQ transport, so the sockets are files in the
+kernel's private directory and work across the unshared network namespace. Interrupts are
+sent as messages: a signal to bwrap would not reach the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.kernelspec import KernelSpec
+from jupyter_client.manager import AsyncKernelManager
+
+from ipyfence.errors import KernelError
+from ipyfence.outputs import CellOutput
+from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths
+from ipyfence.settings import Settings
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 60.0  # seconds for a kernel to answer its first kernel_info
+INTERRUPT_GRACE = 3.0  # seconds an interrupted cell gets to stop before the kernel is replaced
+POLL = 0.2  # seconds between liveness checks while waiting for output
+
+# (elapsed seconds, last output line) → awaitable; used for MCP progress notifications.
+ProgressFn = Callable[[float, str], Awaitable[None]]
+# Called with (kernel_dir, token) before a kernel starts, e.g. to open its bridge socket.
+KernelHook = Callable[[Path, str], Awaitable[None]]
+# Called with kernel_dir after a kernel is gone, e.g. to close its bridge socket.
+StopHook = Callable[[Path], Awaitable[None]]
+
+
+class _SandboxedKernelManager(AsyncKernelManager):
+    """A kernel manager whose command line is exactly the argv it is given."""
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        assert self.kernel_spec is not None
+        return list(self.kernel_spec.argv)  # no {template} substitution inside user values
+
+
+@dataclass
+class RunningKernel:
+    km: AsyncKernelManager
+    kc: AsyncKernelClient
+    kernel_dir: Path
+    token: str
+    launch: Launch
+    log_path: Path
+    started_at: float = field(default_factory=time.monotonic)
+
+    def startup_log(self, limit: int = 2000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-limit:].strip()
+
+
+@dataclass
+class ExecutionResult:
+    output: CellOutput
+    error: bool  # the cell raised, timed out, or the kernel died
+    state_lost: bool = False  # the kernel was replaced; variables are gone
+
+
+class KernelFactory:
+    """Starts kernels in fresh private directories under one runtime root."""
+
+    def __init__(
+        self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None
+    ) -> None:
+        self.settings = settings
+        self.on_start = on_start
+        self.on_stop = on_stop
+        self.runtime_root = Path(tempfile.mkdtemp(prefix="ipyfence-"))  # 0700 by mkdtemp
+        self._counter = itertools.count(1)
+
+    async def start(self) -> RunningKernel:
+        n = next(self._counter)
+        kernel_dir = self.runtime_root / f"k{n}"
+        for sub in ("", "home", "ipython", "mpl", "jupyter"):
+            (kernel_dir / sub).mkdir(mode=0o700, exist_ok=True)
+        token = secrets.token_hex(16)
+        if self.on_start is not None:
+            await self.on_start(kernel_dir, token)
+        connection_file = kernel_dir / "kernel.json"
+        env = base_env(self.settings, kernel_dir, token)
+        paths = kernel_paths(self.settings, kernel_dir, self.runtime_root)
+        launch = build_launch(self.settings, paths, env, kernel_argv(connection_file))
+        log_path = self.runtime_root / f"k{n}.log"
+        km = _SandboxedKernelManager(
+            transport="ipc",
+            ip=str(kernel_dir / "zmq"),
+            connection_file=str(connection_file),
+            cache_ports=False,
+        )
+        km._kernel_spec = KernelSpec(
+            argv=launch.argv, display_name="ipyfence", language="python", interrupt_mode="message", env={}
+        )
+        with open(log_path, "ab") as log_file:
+            try:
+                await km.start_kernel(
+                    env=launch.env,
+                    cwd=str(self.settings.workspace),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                )
+            except OSError as exc:
+                raise KernelError(f"could not start the kernel ({launch.backend}): {exc}") from None
+        kc = km.client()
+        kc.start_channels()
+        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path)
+        await self._wait_ready(kernel)
+        return kernel
+
+    async def _wait_ready(self, kernel: RunningKernel) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if not await kernel.km.is_alive():
+                detail = kernel.startup_log()
+                await self.stop(kernel)
+                raise KernelError(
+                    f"the kernel exited during start-up ({kernel.launch.backend} sandbox)."
+                    + (f"\n{detail}" if detail else "")
+                    + "\nRun `ipyfence doctor` to check the sandbox prerequisites."
+                )
+            try:
+                await kernel.kc.wait_for_ready(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    await self.stop(kernel)
+                    raise KernelError(f"the kernel did not become ready within {START_TIMEOUT:.0f}s") from None
+
+    async def stop(self, kernel: RunningKernel) -> None:
+        """Kill the kernel's sandbox: with its pid namespace gone, every process it started is gone."""
+        with contextlib.suppress(Exception):
+            kernel.kc.stop_channels()
+        with contextlib.suppress(Exception):
+            await kernel.km.shutdown_kernel(now=True)
+        with contextlib.suppress(Exception):
+            await kernel.km.cleanup_resources()
+        if self.on_stop is not None:
+            with contextlib.suppress(Exception):
+                await self.on_stop(kernel.kernel_dir)
+        shutil.rmtree(kernel.kernel_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            kernel.log_path.unlink()
+
+    def remove_runtime_root(self) -> None:
+        shutil.rmtree(self.runtime_root, ignore_errors=True)
+
+
+class KernelSession:
+    """The server's one kernel. Calls are serialized; ``reset()`` swaps in a warm standby."""
+
+    def __init__(
+        self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None
+    ) -> None:
+        self.settings = settings
+        self.factory = KernelFactory(settings, on_start, on_stop)
+        self.lock = asyncio.Lock()
+        self._kernel: RunningKernel | None = None
+        self._standby: asyncio.Task[RunningKernel] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def kernel(self) -> RunningKernel:
+        if self._kernel is None:
+            raise KernelError("the kernel is not running")
+        return self._kernel
+
+    async def start(self) -> None:
+        self._kernel = await self.factory.start()
+        self._start_standby()
+
+    def _start_standby(self) -> None:
+        if self.settings.standby and self._standby is None:
+            self._standby = asyncio.create_task(self.factory.start())
+
+    async def _next_kernel(self) -> RunningKernel:
+        """The standby if it is healthy, else a fresh kernel."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                kernel = await standby
+                if await kernel.km.is_alive():
+                    return kernel
+                await self.factory.stop(kernel)
+            except Exception as exc:  # a failed standby must not block a reset
+                log.warning("standby kernel failed, starting a fresh one: %s", exc)
+        return await self.factory.start()
+
+    async def replace_kernel(self) -> None:
+        """Swap in a new kernel; the old one is killed in the background."""
+        old = self._kernel
+        self._kernel = None
+        self._kernel = await self._next_kernel()
+        if old is not None:
+            self._spawn(self.factory.stop(old))
+        self._start_standby()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def reset(self) -> None:
+        async with self.lock:
+            await self.replace_kernel()
+
+    async def shutdown(self) -> None:
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.cancel()
+            with contextlib.suppress(BaseException):
+                await self.factory.stop(await standby)
+        if self._kernel is not None:
+            kernel, self._kernel = self._kernel, None
+            await self.factory.stop(kernel)
+        for task in list(self._background):
+            with contextlib.suppress(BaseException):
+                await task
+        self.factory.remove_runtime_root()
+
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout: float,
+        max_output_chars: int,
+        progress: ProgressFn | None = None,
+    ) -> ExecutionResult:
+        async with self.lock:
+            if self._kernel is None or not await self._kernel.km.is_alive():
+                await self.replace_kernel()
+            return await _Execution(self, code, timeout, max_output_chars, progress).run()
+
+
+class _Execution:
+    """One cell: send, collect iopub until idle, handle timeout and kernel death."""
+
+    def __init__(
+        self, session: KernelSession, code: str, timeout: float, limit: int, progress: ProgressFn | None
+    ) -> None:
+        self.session = session
+        self.kernel = session.kernel
+        self.code = code
+        self.timeout = timeout
+        self.out = CellOutput(limit)
+        self.progress = progress
+        self.msg_id = ""
+        self.started = time.monotonic()
+        self.last_progress = self.started
+
+    async def run(self) -> ExecutionResult:
+        kc = self.kernel.kc
+        self.msg_id = kc.execute(self.code, store_history=True, allow_stdin=False, stop_on_error=True)
+        try:
+            finished = await self._collect_until_idle(self.started + self.timeout)
+        except asyncio.CancelledError:
+            # The MCP call was cancelled: stop the cell (or the kernel) before giving up.
+            await asyncio.shield(self._interrupt_or_replace("the request was cancelled"))
+            raise
+        except _KernelDied as died:
+            return await self._kernel_died(died)
+        if not finished:
+            return await self._timed_out()
+        await self._read_reply()
+        return ExecutionResult(self.out, error=self.out.error_name is not None)
+
+    async def _collect_until_idle(self, deadline: float) -> bool:
+        """Read iopub for our request until the kernel reports idle. False on deadline.
+
+        The idle status on iopub, not execute_reply on shell, marks the end: the two
+        channels are not ordered relative to each other, so output can trail the reply.
+        """
+        kc = self.kernel.kc
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                msg = await kc.get_iopub_msg(timeout=min(POLL, remaining))
+            except Exception:  # queue.Empty: no message within POLL
+                if not await self.kernel.km.is_alive():
+                    raise _KernelDied() from None
+                await self._maybe_progress()
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != self.msg_id:
+                continue
+            self.out.handle(msg)
+            if self.out.status == "idle":
+                return True
+
+    async def _maybe_progress(self) -> None:
+        now = time.monotonic()
+        if self.progress is None or now - self.last_progress < 5.0:
+            return
+        self.last_progress = now
+        tail = self.out.text.render().rstrip().splitlines()
+        with contextlib.suppress(Exception):
+            await self.progress(now - self.started, tail[-1] if tail else "")
+
+    async def _read_reply(self) -> None:
+        """Pick up our execute_reply (already sent before idle) for pager payloads."""
+        kc = self.kernel.kc
+        for _ in range(50):
+            try:
+                reply = await kc.get_shell_msg(timeout=0.1)
+            except Exception:
+                return
+            if reply.get("parent_header", {}).get("msg_id") == self.msg_id:
+                self.out.page(reply.get("content", {}).get("payload", []))
+                return
+
+    async def _timed_out(self) -> ExecutionResult:
+        recovered = await self._interrupt_or_replace(f"timed out after {self.timeout:g}s")
+        return ExecutionResult(self.out, error=True, state_lost=not recovered)
+
+    async def _interrupt_or_replace(self, why: str) -> bool:
+        """Interrupt the cell; if it does not stop within the grace period, replace the kernel."""
+        with contextlib.suppress(Exception):
+            await self.kernel.km.interrupt_kernel()
+        try:
+            stopped = await self._collect_until_idle(time.monotonic() + INTERRUPT_GRACE)
+        except _KernelDied:
+            stopped = False
+        if stopped:
+            self.out.add_note(f"[ipyfence: cell {why}; it was interrupted. Kernel state is kept.]")
+            return True
+        await self.session.replace_kernel()
+        self.out.add_note(
+            f"[ipyfence: cell {why} and did not respond to an interrupt within {INTERRUPT_GRACE:g}s; "
+            "the kernel was restarted. All variables and imports are lost.]"
+        )
+        return False
+
+    async def _kernel_died(self, died: _KernelDied) -> ExecutionResult:
+        code = self.kernel.km.provisioner.process.returncode if self.kernel.km.provisioner else None
+        how = _describe_exit(code)
+        await self.session.replace_kernel()
+        self.out.add_note(
+            f"[ipyfence: the kernel died ({how}) while running this cell. All variables and imports are lost; "
+            "a new kernel is ready.]"
+        )
+        return ExecutionResult(self.out, error=True, state_lost=True)
+
+
+class _KernelDied(Exception):
+    pass
+
+
+def _describe_exit(code: int | None) -> str:
+    """bwrap reports a signal death of the kernel as 128+N."""
+    import signal
+
+    if code is None:
+        return "exit status unknown"
+    if code < 0 or code > 128:
+        num = -code if code < 0 else code - 128
+        try:
+            name = signal.Signals(num).name
+        except ValueError:
+            name = f"signal {num}"
+        hint = " — likely out of memory" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"

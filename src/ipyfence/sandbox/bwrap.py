@@ -1,0 +1,111 @@
+"""Render a policy into a bubblewrap command line. Pure: no subprocess, no ``which``.
+
+Safety flags that are always on (not options): a new session (no TIOCSTI into the
+server's terminal), die with the parent, every capability dropped (bwrap keeps them for
+root otherwise, and with them kernel code could unmount its own masks), new user, pid,
+ipc, uts and cgroup namespaces, a fresh /proc, a private /tmp, and a cleared environment.
+The network namespace is unshared unless the policy allows network (install_package's pip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ipyfence.policy import LimitsPolicy, Policy
+from ipyfence.sandbox.plan import MountPlan, SandboxPaths
+
+ALWAYS = (
+    "--die-with-parent",
+    "--new-session",
+    "--unshare-user",
+    "--unshare-pid",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+    "--disable-userns",
+    "--cap-drop",
+    "ALL",
+    "--hostname",
+    "ipyfence",
+)
+
+# Mount operations at the same path apply in this order; parents always come first.
+_BIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(6)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Per-launch choices that are not part of the user's policy."""
+
+    network: bool = False  # share the host network (only for pip in install_package)
+    extra_writable: tuple[str, ...] = ()  # e.g. the package dir and pip cache while installing
+
+
+def _depth(path: str) -> int:
+    return path.rstrip("/").count("/")
+
+
+def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> list[list[str]]:
+    ops: list[tuple[int, int, str, list[str]]] = []
+    for p in (*plan.writable, *options.extra_writable):
+        ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
+    for p in plan.hidden_dirs:
+        ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
+    for p in plan.masked_files:
+        ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
+    for p in plan.readonly:
+        ops.append((_depth(p), _READONLY, p, ["--ro-bind", p, p]))
+    for p in plan.reallowed:
+        if p not in options.extra_writable:
+            ops.append((_depth(p), _REALLOW, p, ["--ro-bind", p, p]))
+    k = str(paths.kernel_dir)
+    ops.append((_depth(k), _KERNEL, k, ["--bind", k, k]))
+    ops.sort(key=lambda op: (op[0], op[1], op[2]))
+    # Hidden dirs become read-only last, so that mount points inside them can still be made.
+    remounts = [["--remount-ro", p] for p in plan.hidden_dirs]
+    return [op[3] for op in ops] + remounts
+
+
+def limits_prefix(limits: LimitsPolicy) -> list[str]:
+    """``prlimit`` argv applying rlimits to the kernel process (inherited by its children)."""
+    flags: list[str] = []
+    if limits.memory_mb:
+        flags.append(f"--as={limits.memory_mb * 1024 * 1024}")
+    if limits.max_processes:
+        flags.append(f"--nproc={limits.max_processes}")
+    if limits.cpu_seconds:
+        flags.append(f"--cpu={limits.cpu_seconds}")
+    if limits.max_file_size_mb:
+        flags.append(f"--fsize={limits.max_file_size_mb * 1024 * 1024}")
+    if limits.open_files:
+        flags.append(f"--nofile={limits.open_files}")
+    flags.append("--core=0")  # no core dumps of kernel memory into the workspace
+    return ["prlimit", *flags, "--"]
+
+
+def render(
+    policy: Policy,
+    plan: MountPlan,
+    paths: SandboxPaths,
+    env: Mapping[str, str],
+    argv: Sequence[str],
+    *,
+    bwrap: str = "bwrap",
+    options: LaunchOptions = LaunchOptions(),
+) -> list[str]:
+    """The full bwrap argv that runs ``argv`` under ``policy``."""
+    cmd = [bwrap, *ALWAYS]
+    if not options.network:
+        cmd.append("--unshare-net")
+    cmd.append("--clearenv")
+    for key in sorted(env):
+        cmd += ["--setenv", key, env[key]]
+    cmd += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    if policy.limits.tmp_size_mb:
+        cmd += ["--size", str(policy.limits.tmp_size_mb * 1024 * 1024)]
+    cmd += ["--tmpfs", "/tmp"]
+    for op in _mount_ops(plan, paths, options):
+        cmd += op
+    cmd += ["--chdir", str(paths.workspace), "--", *limits_prefix(policy.limits), *argv]
+    return cmd

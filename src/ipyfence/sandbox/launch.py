@@ -1,0 +1,112 @@
+"""Compose the kernel's command line: base env + policy → backend renderer → argv.
+
+This is where rendering meets the machine (paths, which binary). It never spawns anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ipyfence.errors import SandboxUnavailableError
+from ipyfence.sandbox import bwrap
+from ipyfence.sandbox.plan import MountPlan, SandboxPaths, default_server_install, plan_mounts
+from ipyfence.settings import Settings, platform_backend
+
+BRIDGE_SOCKET = "bridge.sock"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything needed to start one process in the sandbox."""
+
+    argv: list[str]  # full command, sandbox prefix included
+    env: dict[str, str]  # environment for the outermost process
+    plan: MountPlan | None  # None when unsandboxed
+    backend: str  # "bwrap", "srt" or "none"
+
+
+def kernel_paths(settings: Settings, kernel_dir: Path, runtime_root: Path) -> SandboxPaths:
+    return SandboxPaths(
+        workspace=settings.workspace,
+        kernel_dir=kernel_dir,
+        runtime_root=runtime_root,
+        state_root=settings.state_root,
+        packages_dir=settings.packages_dir,
+        server_install=default_server_install(),
+        python=Path(sys.executable),
+    )
+
+
+def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[str, str]:
+    """The minimal environment a kernel needs, then the user's KERNEL_ENV_ set.
+
+    User variables may override anything except ``IPYFENCE_*``, which wire up the bridge.
+    """
+    bindir = os.path.dirname(sys.executable)
+    env = {
+        "PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin",
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+        "HOME": str(kernel_dir / "home"),
+        "TMPDIR": "/tmp",
+        "IPYTHONDIR": str(kernel_dir / "ipython"),
+        "MPLCONFIGDIR": str(kernel_dir / "mpl"),
+        "JUPYTER_RUNTIME_DIR": str(kernel_dir / "jupyter"),
+        "PYTHONPATH": os.pathsep.join([str(settings.packages_dir), str(settings.workspace)]),
+        "PYTHONNOUSERSITE": "1",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        "TERM": "dumb",
+    }
+    env.update({k: v for k, v in settings.kernel_env.items() if not k.startswith("IPYFENCE_")})
+    env["IPYFENCE_BRIDGE_SOCKET"] = str(kernel_dir / BRIDGE_SOCKET)
+    env["IPYFENCE_BRIDGE_TOKEN"] = bridge_token
+    return env
+
+
+def find_bwrap() -> str:
+    found = shutil.which("bwrap")
+    if not found:
+        raise SandboxUnavailableError(
+            "bubblewrap (bwrap) is not installed, so the kernel cannot be sandboxed.\n"
+            "  fix: sudo apt-get install bubblewrap   (Fedora: sudo dnf install bubblewrap)\n"
+            "  check: ipyfence doctor\n"
+            "  (or run unsandboxed on purpose with --no-sandbox)"
+        )
+    return found
+
+
+def build_launch(
+    settings: Settings,
+    paths: SandboxPaths,
+    env: Mapping[str, str],
+    argv: Sequence[str],
+    *,
+    options: bwrap.LaunchOptions = bwrap.LaunchOptions(),
+) -> Launch:
+    """The sandboxed (or, with --no-sandbox, plain) launch of ``argv``."""
+    if not settings.sandbox:
+        host = {**env, "PATH": env.get("PATH", os.environ.get("PATH", "/usr/bin:/bin"))}
+        return Launch(argv=list(argv), env=host, plan=None, backend="none")
+    backend = platform_backend(settings)
+    if backend == "srt":
+        from ipyfence.sandbox import srt_launch  # the srt backend lives in its own module
+
+        return srt_launch.build(settings, paths, env, argv, options=options)
+    if settings.policy.network.allowed_domains:
+        raise SandboxUnavailableError(
+            "the policy allows network domains "
+            f"({', '.join(settings.policy.network.allowed_domains)}), which needs srt's filtering proxy; "
+            "bwrap can only allow all network or none. Use --sandbox-backend srt (or auto)."
+        )
+    plan = plan_mounts(settings.policy, paths)
+    cmd = bwrap.render(settings.policy, plan, paths, env, argv, bwrap=find_bwrap(), options=options)
+    # bwrap itself gets a minimal environment: --clearenv resets it for the kernel anyway.
+    return Launch(argv=cmd, env={"PATH": "/usr/bin:/bin"}, plan=plan, backend="bwrap")
+
+
+def kernel_argv(connection_file: Path) -> list[str]:
+    return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)]

@@ -1,0 +1,213 @@
+"""From a resolved ``Policy`` plus the machine's paths to a concrete ``MountPlan``.
+
+This is the one impure step between policy and renderers: it looks at the filesystem
+(which ``.env`` files exist, which protected paths exist, which directories are real).
+Renderers take the resulting frozen plan and stay pure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from wcmatch import glob as wcglob
+
+from ipyfence.policy import Policy, is_glob
+
+# Paths that are always read-only inside writable roots, because writing them runs code on
+# the host later (git hooks, shell start-up, editor/agent config). Taken from
+# sandbox-runtime's list (DANGEROUS_FILES / getDangerousDirectories), plus the agent
+# configs ipyfence's own users run: .claude/settings*.json and .cursor.
+PROTECTED_FILES = (
+    ".gitconfig",
+    ".gitmodules",
+    ".bashrc",
+    ".bash_profile",
+    ".bash_login",
+    ".zshrc",
+    ".zprofile",
+    ".zshenv",
+    ".profile",
+    ".ripgreprc",
+    ".mcp.json",
+    ".envrc",
+)
+PROTECTED_DIRS = (
+    ".vscode",
+    ".idea",
+    ".cursor",
+    ".claude",
+    ".git/hooks",
+)
+GIT_CONFIG = ".git/config"
+
+# Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
+# ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
+HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
+
+SCAN_LIMIT = 200_000  # directory entries looked at per writable root before giving up (with a warning)
+GLOB_FLAGS = wcglob.GLOBSTAR | wcglob.DOTGLOB | wcglob.FORCEUNIX
+
+
+@dataclass(frozen=True)
+class SandboxPaths:
+    """Where things live on the host, for one kernel."""
+
+    workspace: Path  # the user's workspace (cwd of the kernel)
+    kernel_dir: Path  # private per-kernel dir: connection file, ipc sockets, HOME, bridge socket
+    runtime_root: Path  # per-server runtime dir holding every kernel_dir; hidden except our own kernel_dir
+    state_root: Path  # ipyfence's persistent state for all workspaces; hidden from the kernel
+    packages_dir: Path | None  # user-installed packages, visible read-only (None: not used)
+    server_install: tuple[Path, ...]  # the server's own venv/package files: always read-only
+    python: Path  # interpreter that runs the kernel
+
+
+@dataclass(frozen=True)
+class MountPlan:
+    """Concrete, existing paths to bind, mask or protect. Order inside each tuple is stable."""
+
+    writable: tuple[str, ...]  # bind read-write
+    hidden_dirs: tuple[str, ...]  # replace with an empty read-only dir
+    masked_files: tuple[str, ...]  # replace with an empty read-only file
+    readonly: tuple[str, ...]  # bind read-only over a writable root
+    reallowed: tuple[str, ...]  # bind back (read-only) inside a hidden dir
+    warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
+
+
+def default_server_install() -> tuple[Path, ...]:
+    """The server's installation: venv prefix, base interpreter prefix and the ipyfence package."""
+    import ipyfence
+
+    found = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(ipyfence.__file__).resolve().parent}
+    return tuple(sorted(found))
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _walk(root: str, limit: int) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk without following symlinks, stopping after ``limit`` entries."""
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        seen += len(dirnames) + len(filenames)
+        yield dirpath, dirnames, filenames
+        if seen > limit:
+            raise _ScanLimit(root)
+
+
+class _ScanLimit(Exception):
+    pass
+
+
+def _glob_base(pattern: str) -> str:
+    """The longest leading directory of ``pattern`` without glob characters."""
+    parts = pattern.split("/")
+    base: list[str] = []
+    for part in parts[:-1]:
+        if is_glob(part):
+            break
+        base.append(part)
+    return "/".join(base) or "/"
+
+
+def _matches(path: str, patterns: Iterable[str]) -> bool:
+    return any(wcglob.globmatch(path, p, flags=GLOB_FLAGS) if is_glob(p) else path == p for p in patterns)
+
+
+def _find_globbed(patterns: tuple[str, ...], warnings: list[str]) -> tuple[list[str], list[str]]:
+    """Expand glob entries by walking their base directories. Returns (files, dirs)."""
+    files: list[str] = []
+    dirs: list[str] = []
+    by_base: dict[str, list[str]] = {}
+    for p in patterns:
+        if is_glob(p):
+            by_base.setdefault(_glob_base(p), []).append(p)
+    for base, pats in by_base.items():
+        if base == "/" or not os.path.isdir(base):
+            if base == "/":
+                warnings.append(f"glob(s) {pats} start at / and are not expanded; anchor them in a directory")
+            continue
+        try:
+            for dirpath, dirnames, filenames in _walk(base, SCAN_LIMIT):
+                for name in filenames:
+                    full = os.path.join(dirpath, name)
+                    if _matches(full, pats):
+                        files.append(full)
+                for name in dirnames:
+                    full = os.path.join(dirpath, name)
+                    if _matches(full, pats):
+                        dirs.append(full)
+        except _ScanLimit:
+            warnings.append(
+                f"stopped scanning {base} after {SCAN_LIMIT} entries: files matching {pats} deeper in it are NOT masked"
+            )
+    return files, dirs
+
+
+def _protected_in(root: str, allow_git_config: bool) -> list[str]:
+    """Existing always-protected paths under a writable root (at any depth, bounded)."""
+    names = set(PROTECTED_FILES)
+    found: list[str] = []
+    try:
+        for dirpath, dirnames, filenames in _walk(root, SCAN_LIMIT):
+            for name in filenames:
+                if name in names:
+                    found.append(os.path.join(dirpath, name))
+            for rel in PROTECTED_DIRS + (() if allow_git_config else (GIT_CONFIG,)):
+                candidate = os.path.join(dirpath, rel)
+                if os.path.lexists(candidate) and not os.path.islink(candidate):
+                    found.append(candidate)
+            # Do not descend into protected dirs or .git internals: they are read-only anyway.
+            dirnames[:] = [d for d in dirnames if d not in {".git", ".vscode", ".idea", ".cursor", ".claude"}]
+    except _ScanLimit:
+        pass  # the warning comes from the deny-read scan of the same tree
+    return found
+
+
+def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
+    """Look at the filesystem and decide exactly what to bind, mask and protect."""
+    fs = policy.filesystem
+    warnings: list[str] = []
+
+    writable = [p for p in fs.allow_write if not is_glob(p) and os.path.isdir(p)]
+    for p in fs.allow_write:
+        if is_glob(p):
+            warnings.append(f"allowWrite glob {p!r} is not supported by bwrap and was ignored")
+        elif not os.path.exists(p):
+            warnings.append(f"allowWrite {p!r} does not exist and was ignored")
+
+    globbed_files, globbed_dirs = _find_globbed(fs.deny_read, warnings)
+    literal = [p for p in fs.deny_read if not is_glob(p) and os.path.lexists(p)]
+    deny_files = globbed_files + [p for p in literal if not os.path.isdir(p)]
+    deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
+    masked_files = [p for p in deny_files if not _matches(p, fs.allow_read)]
+    hidden = [p for p in deny_dirs if not _matches(p, fs.allow_read)]
+    reallowed = [
+        p for p in fs.allow_read if not is_glob(p) and os.path.exists(p) and any(_under(p, d) for d in hidden)
+    ]
+
+    # Other programs' sockets, other kernels' state, and ipyfence's own persistent state.
+    for d in (*HOST_SOCKET_DIRS, str(paths.runtime_root), str(paths.state_root)):
+        if os.path.isdir(d) and not os.path.islink(d) and d != "/tmp":
+            hidden.append(d)
+
+    readonly: list[str] = []
+    for root in writable:
+        readonly += _protected_in(root, fs.allow_git_config)
+    readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
+    readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
+    if paths.packages_dir is not None and paths.packages_dir.is_dir():
+        reallowed.append(str(paths.packages_dir))
+
+    return MountPlan(
+        writable=tuple(dict.fromkeys(writable)),
+        hidden_dirs=tuple(dict.fromkeys(hidden)),
+        masked_files=tuple(dict.fromkeys(masked_files)),
+        readonly=tuple(dict.fromkeys(readonly)),
+        reallowed=tuple(dict.fromkeys(reallowed)),
+        warnings=tuple(warnings),
+    )

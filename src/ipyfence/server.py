@@ -1,0 +1,190 @@
+"""The MCP server: ipybox's four tools as thin adapters over the kernel session.
+
+Expected failures raise ``ToolError`` (→ ``isError``); nothing here writes to stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
+from pydantic import Field
+
+from ipyfence.errors import IpyfenceError
+from ipyfence.kernel import ExecutionResult, KernelSession
+from ipyfence.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_TIMEOUT = 24 * 3600
+MAX_OUTPUT_CHARS = 10_000_000
+
+INSTRUCTIONS = """\
+A stateful IPython kernel running inside an OS sandbox: it can read most files but not .env
+files, can write only inside the workspace, and has no internet. Variables persist across
+execute_ipython_cell calls until reset(). Use register_mcp_server to generate a Python API
+(mcptools.<server>.<tool>) for another MCP server's tools and call them from code.
+"""
+
+
+class App:
+    """Owns the kernel session and the optional services; the tools are adapters over it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.tools = _load_tools_service(settings)
+        self.session = KernelSession(
+            settings,
+            on_start=self.tools.attach_kernel if self.tools else None,
+            on_stop=self.tools.detach_kernel if self.tools else None,
+        )
+        self.installer = _load_installer(settings, self.session)
+        self._starting: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start the kernel in the background: `initialize` need not wait for it."""
+        if self.tools is not None:
+            await self.tools.start()
+        self._starting = asyncio.create_task(self.session.start())
+
+    async def ready(self) -> KernelSession:
+        if self._starting is not None:
+            try:
+                await self._starting
+            except IpyfenceError as exc:
+                self._starting = None  # the next call tries again
+                raise ToolError(f"the sandboxed kernel could not start: {exc}") from None
+            self._starting = None
+        return self.session
+
+    async def stop(self) -> None:
+        if self._starting is not None:
+            with contextlib.suppress(BaseException):
+                await self._starting
+        await self.session.shutdown()
+        if self.tools is not None:
+            await self.tools.aclose()
+
+
+def _load_tools_service(settings: Settings) -> Any:
+    try:
+        from ipyfence.mcptools.service import McpToolsService
+    except ImportError:
+        return None
+    return McpToolsService(settings)
+
+
+def _load_installer(settings: Settings, session: KernelSession) -> Any:
+    try:
+        from ipyfence.packages import PackageInstaller
+    except ImportError:
+        return None
+    return PackageInstaller(settings, session)
+
+
+def result_to_mcp(result: ExecutionResult) -> CallToolResult:
+    out = result.output
+    text = out.text.render()
+    if not text.strip() and not out.images:
+        text = "" if not result.error else "(no output)"
+    content: list[ContentBlock] = [TextContent(type="text", text=text)]
+    content += [ImageContent(type="image", data=img.data, mime_type=img.mime) for img in out.images]
+    return CallToolResult(content=content, is_error=result.error)
+
+
+def build_server(app: App) -> MCPServer[Any]:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
+        await app.start()
+        try:
+            yield
+        finally:
+            await app.stop()
+
+    mcp: MCPServer[Any] = MCPServer("ipyfence", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
+
+    @mcp.tool()
+    async def execute_ipython_cell(
+        code: Annotated[str, Field(description="Python code to execute")],
+        ctx: Context,
+        timeout: Annotated[
+            float, Field(gt=0, le=MAX_TIMEOUT, description="Maximum execution time in seconds")
+        ] = 120,
+        max_output_chars: Annotated[
+            int, Field(ge=1, le=MAX_OUTPUT_CHARS, description="Output character limit")
+        ] = 5000,
+    ) -> CallToolResult:
+        """Execute Python code in a stateful IPython kernel. Executed code can use the generated Python tool API
+        of registered MCP servers. MCP tool calls from executed code are auto-approved. Returns the output."""
+        session = await app.ready()
+
+        async def progress(elapsed: float, last_line: str) -> None:
+            await ctx.report_progress(elapsed, None, f"running for {elapsed:.0f}s; last output: {last_line[:200]}")
+
+        try:
+            result = await session.execute(
+                code, timeout=timeout, max_output_chars=max_output_chars, progress=progress
+            )
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+        return result_to_mcp(result)
+
+    @mcp.tool()
+    async def register_mcp_server(
+        server_name: Annotated[str, Field(description="Application-defined MCP server name (valid Python identifier)")],
+        server_params: Annotated[
+            dict[str, Any],
+            Field(description='Server config: {"command", "args", "env"} for stdio or {"url", "headers"} for HTTP'),
+        ],
+    ) -> str:
+        """Connects to an MCP server and generates a Python API for its tools under mcptools/{server_name}/.
+        Returns the importable module names."""
+        if app.tools is None:
+            raise ToolError("register_mcp_server is not available in this build")
+        try:
+            modules: list[str] = await app.tools.register(server_name, server_params)
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+        return "\n".join(modules)
+
+    @mcp.tool()
+    async def install_package(
+        package_name: Annotated[
+            str, Field(description="Package spec (e.g., requests, numpy>=1.20.0, or git+https://...)")
+        ],
+    ) -> str:
+        """Installs a Python package via pip (inside the sandbox). Supports version specifiers and git URLs."""
+        if app.installer is None:
+            raise ToolError("install_package is not available in this build")
+        await app.ready()
+        try:
+            message: str = await app.installer.install(package_name)
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+        return message
+
+    @mcp.tool()
+    async def reset() -> str:
+        """Creates a new kernel, clearing all variables and imports. Installed packages and generated mcptools/
+        persist."""
+        session = await app.ready()
+        try:
+            await session.reset()
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+        return "Kernel reset: all variables and imports are cleared. Installed packages and mcptools/ persist."
+
+    return mcp
+
+
+async def serve_stdio(settings: Settings) -> None:
+    app = App(settings)
+    server = build_server(app)
+    await server.run_stdio_async()

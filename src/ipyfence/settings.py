@@ -1,0 +1,119 @@
+"""Frozen server settings, built once from CLI flags, the environment and the workspace ``.env``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from dotenv import dotenv_values
+
+from ipyfence.errors import ConfigError
+from ipyfence.policy import Policy, load_policy, resolve_paths
+
+KERNEL_ENV_PREFIX = "KERNEL_ENV_"
+Backend = Literal["auto", "bwrap", "srt"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    workspace: Path  # absolute, resolved workspace directory
+    sandbox: bool  # False only with an explicit --no-sandbox
+    backend: Backend  # requested sandbox backend
+    profile: str  # profile name under sandbox-profiles/
+    sandbox_config: Path | None  # srt-format JSON layered over the profile
+    policy: Policy  # profile + config, paths resolved against the workspace
+    host_env: Mapping[str, str] = field(repr=False)  # server env + workspace .env, for ${VAR} substitution
+    kernel_env: Mapping[str, str] = field(repr=False)  # KERNEL_ENV_* with the prefix stripped
+    state_root: Path = Path()  # ipyfence's persistent state for all workspaces (hidden from kernels)
+    standby: bool = True  # keep a pre-started kernel for fast reset()
+
+    @property
+    def state_dir(self) -> Path:
+        """Persistent state of this workspace: registry, installed packages, pip cache."""
+        digest = hashlib.sha256(str(self.workspace).encode()).hexdigest()[:12]
+        return self.state_root / "workspaces" / f"{self.workspace.name or 'root'}-{digest}"
+
+    @property
+    def packages_dir(self) -> Path:
+        return self.state_dir / "site-packages"
+
+
+def default_state_root(environ: Mapping[str, str]) -> Path:
+    if environ.get("IPYFENCE_STATE_DIR"):
+        return Path(environ["IPYFENCE_STATE_DIR"]).expanduser().resolve()
+    base = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base).resolve() / "ipyfence"
+
+
+def read_dotenv(workspace: Path) -> dict[str, str]:
+    """The workspace ``.env`` (python-dotenv syntax); missing file → empty."""
+    path = workspace / ".env"
+    if not path.is_file():
+        return {}
+    try:
+        values = dotenv_values(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def split_env(server_env: Mapping[str, str], dotenv: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(host_env, kernel_env). The server's own environment wins over ``.env``, as with python-dotenv."""
+    host_env = {**dotenv, **server_env}
+    kernel_env = {
+        key[len(KERNEL_ENV_PREFIX) :]: value
+        for key, value in host_env.items()
+        if key.startswith(KERNEL_ENV_PREFIX) and len(key) > len(KERNEL_ENV_PREFIX)
+    }
+    return host_env, kernel_env
+
+
+def resolve_workspace(workspace: str | Path) -> Path:
+    path = Path(workspace).expanduser()
+    if not path.exists():
+        raise ConfigError(f"workspace {str(workspace)!r} does not exist; create it first")
+    if not path.is_dir():
+        raise ConfigError(f"workspace {str(workspace)!r} is not a directory")
+    return path.resolve()
+
+
+def build_settings(
+    workspace: str | Path,
+    *,
+    sandbox: bool = True,
+    backend: Backend = "auto",
+    profile: str = "default",
+    sandbox_config: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    standby: bool = True,
+) -> Settings:
+    env = dict(os.environ if environ is None else environ)
+    ws = resolve_workspace(workspace)
+    policy = resolve_paths(load_policy(profile, sandbox_config), ws)
+    host_env, kernel_env = split_env(env, read_dotenv(ws))
+    return Settings(
+        workspace=ws,
+        sandbox=sandbox,
+        backend=backend,
+        profile=profile,
+        sandbox_config=sandbox_config,
+        policy=policy,
+        host_env=host_env,
+        kernel_env=kernel_env,
+        state_root=default_state_root(env),
+        standby=standby,
+    )
+
+
+def platform_backend(settings: Settings) -> Literal["bwrap", "srt"]:
+    """The backend ``auto`` means here: srt on macOS, or on Linux when domains are allowed."""
+    if settings.backend != "auto":
+        return settings.backend
+    if sys.platform == "darwin" or settings.policy.network.allowed_domains:
+        return "srt"
+    return "bwrap"
