@@ -89,6 +89,9 @@ class KernelFactory:
         self.on_start = on_start
         self.on_stop = on_stop
         self.runtime_root = Path(tempfile.mkdtemp(prefix="ipyfence-"))  # 0700 by mkdtemp
+        # Must exist before the first kernel starts: it is bind-mounted (read-only) into every
+        # sandbox, and later installs show up through that mount without a restart.
+        settings.packages_dir.mkdir(parents=True, exist_ok=True)
         self._counter = itertools.count(1)
 
     async def start(self) -> RunningKernel:
