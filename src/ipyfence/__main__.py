@@ -1,3 +1,3 @@
-import sys
 from ipyfence.cli import main
+
 main()

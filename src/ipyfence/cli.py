@@ -43,7 +43,9 @@ def _setup_logging(level: str) -> None:
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workspace", default=".", show_default=True, help="Working directory of the kernel; mcptools/ lives here.")
+@click.option(
+    "--workspace", default=".", show_default=True, help="Working directory of the kernel; mcptools/ lives here."
+)
 @click.option(
     "--sandbox/--no-sandbox",
     default=True,
@@ -67,7 +69,9 @@ def _setup_logging(level: str) -> None:
 )
 @click.option("--print-policy", is_flag=True, help="Print the effective policy and kernel launch command, then exit.")
 @click.option("--standby/--no-standby", default=True, show_default=True, help="Keep a warm kernel for fast reset().")
-@click.option("--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), show_default=True)
+@click.option(
+    "--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), show_default=True
+)
 @click.pass_context
 def main(
     ctx: click.Context,

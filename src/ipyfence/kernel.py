@@ -46,7 +46,23 @@ KernelHook = Callable[[Path, str], Awaitable[None]]
 StopHook = Callable[[Path], Awaitable[None]]
 
 
-class _SandboxedKernelManager(AsyncKernelManager):
+RUNTIME_PREFIX = "ipyfence-"
+OWNER_FILE = "server.pid"
+
+
+def remove_stale_runtime_dirs() -> None:
+    """Delete runtime dirs left by servers that were killed (SIGKILL skips our cleanup)."""
+    for owner in Path(tempfile.gettempdir()).glob(f"{RUNTIME_PREFIX}*/{OWNER_FILE}"):
+        try:
+            pid = int(owner.read_text())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(owner.parent, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
+
+
+class _SandboxedKernelManager(AsyncKernelManager):  # type: ignore[misc]
     """A kernel manager whose command line is exactly the argv it is given."""
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
@@ -82,13 +98,13 @@ class ExecutionResult:
 class KernelFactory:
     """Starts kernels in fresh private directories under one runtime root."""
 
-    def __init__(
-        self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None) -> None:
         self.settings = settings
         self.on_start = on_start
         self.on_stop = on_stop
-        self.runtime_root = Path(tempfile.mkdtemp(prefix="ipyfence-"))  # 0700 by mkdtemp
+        remove_stale_runtime_dirs()
+        self.runtime_root = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))  # 0700 by mkdtemp
+        (self.runtime_root / OWNER_FILE).write_text(str(os.getpid()))
         # Must exist before the first kernel starts: it is bind-mounted (read-only) into every
         # sandbox, and later installs show up through that mount without a restart.
         settings.packages_dir.mkdir(parents=True, exist_ok=True)
@@ -174,9 +190,7 @@ class KernelFactory:
 class KernelSession:
     """The server's one kernel. Calls are serialized; ``reset()`` swaps in a warm standby."""
 
-    def __init__(
-        self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, on_start: KernelHook | None = None, on_stop: StopHook | None = None) -> None:
         self.settings = settings
         self.factory = KernelFactory(settings, on_start, on_stop)
         self.lock = asyncio.Lock()
@@ -232,9 +246,9 @@ class KernelSession:
     async def shutdown(self) -> None:
         standby, self._standby = self._standby, None
         if standby is not None:
-            standby.cancel()
+            # Let a half-started standby finish, so it is stopped cleanly rather than orphaned.
             with contextlib.suppress(BaseException):
-                await self.factory.stop(await standby)
+                await self.factory.stop(await asyncio.wait_for(standby, START_TIMEOUT))
         if self._kernel is not None:
             kernel, self._kernel = self._kernel, None
             await self.factory.stop(kernel)

@@ -319,7 +319,10 @@ def resolve_entry(entry: str, workspace: Path, loc: str) -> str:
     absolute path if that is really meant.
     """
     if entry.startswith("~"):
-        return os.path.normpath(os.path.expanduser(entry))
+        expanded = os.path.expanduser(entry)
+        if not os.path.isabs(expanded):  # "~user" for an unknown user stays relative
+            raise PolicyError(f"{loc}: cannot expand {entry!r} to a home directory; use an absolute path")
+        return os.path.normpath(expanded)
     if os.path.isabs(entry):
         return os.path.normpath(entry)
     joined = os.path.normpath(os.path.join(workspace, entry))
@@ -332,7 +335,7 @@ def resolve_paths(policy: Policy, workspace: Path) -> Policy:
     """Return ``policy`` with every filesystem entry made absolute against ``workspace``."""
     source = policy.sources[-1] if policy.sources else "policy"
     fs = policy.filesystem
-    changes = {}
+    changes: dict[str, Any] = {}
     for f in fields(FilesystemPolicy):
         value = getattr(fs, f.name)
         if isinstance(value, tuple):

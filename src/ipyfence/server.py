@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Annotated, Any
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
@@ -106,7 +107,9 @@ def build_server(app: App) -> MCPServer[Any]:
         try:
             yield
         finally:
-            await app.stop()
+            # Shielded: on SIGTERM the surrounding scope is cancelled, and the kernel must still go.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                await app.stop()
 
     mcp: MCPServer[Any] = MCPServer("ipyfence", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
 
@@ -114,12 +117,8 @@ def build_server(app: App) -> MCPServer[Any]:
     async def execute_ipython_cell(
         code: Annotated[str, Field(description="Python code to execute")],
         ctx: Context,
-        timeout: Annotated[
-            float, Field(gt=0, le=MAX_TIMEOUT, description="Maximum execution time in seconds")
-        ] = 120,
-        max_output_chars: Annotated[
-            int, Field(ge=1, le=MAX_OUTPUT_CHARS, description="Output character limit")
-        ] = 5000,
+        timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT, description="Maximum execution time in seconds")] = 120,
+        max_output_chars: Annotated[int, Field(ge=1, le=MAX_OUTPUT_CHARS, description="Output character limit")] = 5000,
     ) -> CallToolResult:
         """Execute Python code in a stateful IPython kernel. Executed code can use the generated Python tool API
         of registered MCP servers. MCP tool calls from executed code are auto-approved. Returns the output."""
@@ -129,9 +128,7 @@ def build_server(app: App) -> MCPServer[Any]:
             await ctx.report_progress(elapsed, None, f"running for {elapsed:.0f}s; last output: {last_line[:200]}")
 
         try:
-            result = await session.execute(
-                code, timeout=timeout, max_output_chars=max_output_chars, progress=progress
-            )
+            result = await session.execute(code, timeout=timeout, max_output_chars=max_output_chars, progress=progress)
         except IpyfenceError as exc:
             raise ToolError(str(exc)) from None
         return result_to_mcp(result)
@@ -185,6 +182,18 @@ def build_server(app: App) -> MCPServer[Any]:
 
 
 async def serve_stdio(settings: Settings) -> None:
+    """Serve until stdin closes or SIGTERM/SIGHUP/SIGINT arrives; the kernel is stopped either way."""
     app = App(settings)
     server = build_server(app)
-    await server.run_stdio_async()
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        await server.run_stdio_async()
+        tg.cancel_scope.cancel()

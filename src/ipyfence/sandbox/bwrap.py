@@ -42,6 +42,9 @@ class LaunchOptions:
     extra_writable: tuple[str, ...] = ()  # e.g. the package dir and pip cache while installing
 
 
+DEFAULT_OPTIONS = LaunchOptions()
+
+
 def _depth(path: str) -> int:
     return path.rstrip("/").count("/")
 
@@ -92,7 +95,7 @@ def render(
     argv: Sequence[str],
     *,
     bwrap: str = "bwrap",
-    options: LaunchOptions = LaunchOptions(),
+    options: LaunchOptions = DEFAULT_OPTIONS,
 ) -> list[str]:
     """The full bwrap argv that runs ``argv`` under ``policy``."""
     cmd = [bwrap, *ALWAYS]

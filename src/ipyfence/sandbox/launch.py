@@ -85,7 +85,7 @@ def build_launch(
     env: Mapping[str, str],
     argv: Sequence[str],
     *,
-    options: bwrap.LaunchOptions = bwrap.LaunchOptions(),
+    options: bwrap.LaunchOptions = bwrap.DEFAULT_OPTIONS,
 ) -> Launch:
     """The sandboxed (or, with --no-sandbox, plain) launch of ``argv``."""
     if not settings.sandbox:

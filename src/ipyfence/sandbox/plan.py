@@ -186,9 +186,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
     masked_files = [p for p in deny_files if not _matches(p, fs.allow_read)]
     hidden = [p for p in deny_dirs if not _matches(p, fs.allow_read)]
-    reallowed = [
-        p for p in fs.allow_read if not is_glob(p) and os.path.exists(p) and any(_under(p, d) for d in hidden)
-    ]
+    reallowed = [p for p in fs.allow_read if not is_glob(p) and os.path.exists(p) and any(_under(p, d) for d in hidden)]
 
     # Other programs' sockets, other kernels' state, and ipyfence's own persistent state.
     for d in (*HOST_SOCKET_DIRS, str(paths.runtime_root), str(paths.state_root)):

@@ -75,11 +75,11 @@ def checks(platform: str = sys.platform) -> list[Check]:
         found.append(check_bwrap())
         found.append(check_tool("prlimit", "sudo apt-get install util-linux", required=True))
     srt_required = platform == "darwin"
-    found.append(
-        check_tool("srt", "npm install -g @anthropic-ai/sandbox-runtime", required=srt_required)
-    )
+    found.append(check_tool("srt", "npm install -g @anthropic-ai/sandbox-runtime", required=srt_required))
     if platform != "darwin":
-        found.append(check_tool("socat", "sudo apt-get install socat (needed by srt)", required=False, version_flag="-V"))
+        found.append(
+            check_tool("socat", "sudo apt-get install socat (needed by srt)", required=False, version_flag="-V")
+        )
     found.append(check_tool("rg", "sudo apt-get install ripgrep (needed by srt)", required=False))
     return found
 

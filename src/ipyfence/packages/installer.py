@@ -1,0 +1,243 @@
+"""install_package: pip resolves and builds inside the sandbox; the server only moves files.
+
+Two sandboxed pip runs, both with the kernel's filesystem policy plus network:
+
+1. ``pip install --dry-run --report`` with the package directory on PYTHONPATH, so pip
+   counts what the kernel can already import (user packages over the server's venv) as
+   satisfied. ``--target`` would ignore installed packages and reinstall ipykernel's and
+   pydantic's dependencies over the server's copies.
+2. ``pip install --target STAGING --no-deps PINS`` for exactly what step 1 chose. Build
+   code (setup.py, backends) runs in both steps; it can write only the staging directory,
+   the pip cache and its private home and tmp, never the package directory.
+
+Then, with the kernel session's lock held (no cell runs), the staged files are moved into
+the package directory and the running kernel's import caches are invalidated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ipyfence.errors import KernelError, PackageInstallError
+from ipyfence.kernel import KernelSession
+from ipyfence.packages.layout import Replaced, install_staged
+from ipyfence.packages.pipenv import pip_env
+from ipyfence.packages.spec import PackageSpec, parse_spec
+from ipyfence.sandbox import bwrap
+from ipyfence.sandbox.launch import build_launch, kernel_paths
+from ipyfence.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PIP_TIMEOUT = 900.0  # seconds for one pip run (resolve or install), builds included
+OUTPUT_KEEP = 64_000  # bytes of pip output kept while it runs (the tail)
+ERROR_CHARS = 3000  # characters of pip output shown in an error
+REFRESH_TIMEOUT = 10.0  # seconds for the kernel to invalidate its import caches
+
+
+class PackageInstaller:
+    """One install at a time; each install holds the kernel lock only while files move."""
+
+    def __init__(self, settings: Settings, session: KernelSession) -> None:
+        self.settings = settings
+        self.session = session
+        self._lock = asyncio.Lock()
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.settings.state_dir / "pip-cache"
+
+    async def install(self, package_name: str) -> str:
+        spec = parse_spec(package_name)
+        async with self._lock:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            self.settings.packages_dir.mkdir(parents=True, exist_ok=True)
+            # Private dir (home, tmp, report) is hidden from kernels under the runtime root;
+            # staging sits next to the package directory so the final move is a rename.
+            work = Path(tempfile.mkdtemp(prefix="pip-", dir=self.session.factory.runtime_root))
+            staging = Path(tempfile.mkdtemp(prefix="staging-", dir=self.settings.state_dir))
+            try:
+                return await self._install(spec, work, staging)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.rmtree(staging, ignore_errors=True)
+
+    async def _install(self, spec: PackageSpec, work: Path, staging: Path) -> str:
+        started = time.monotonic()
+        report = work / "report.json"
+        await self._pip(spec, work, ["--dry-run", "--report", str(report)], [spec.text], writable=())
+        items = _report_items(report)
+        if not items:
+            return _already_satisfied(spec, self.settings.packages_dir)
+        pins = [_pin(item) for item in items]
+        await self._pip(spec, work, ["--target", str(staging), "--no-deps"], pins, writable=(staging,))
+        async with self.session.lock:
+            replaced = install_staged(staging, self.settings.packages_dir)
+            await self._refresh_kernel()
+        log.info("installed %s in %.1fs", spec.text, time.monotonic() - started)
+        return _success_message(items, replaced)
+
+    async def _pip(
+        self, spec: PackageSpec, work: Path, options: list[str], specs: list[str], writable: tuple[Path, ...]
+    ) -> None:
+        env = pip_env(self.settings, work, self.cache_dir)
+        paths = kernel_paths(self.settings, work, self.session.factory.runtime_root)
+        # Network for pip only; writable: the cache and (for the install step) staging.
+        launch_options = bwrap.LaunchOptions(
+            network=True, extra_writable=tuple(str(p) for p in (self.cache_dir, *writable))
+        )
+        # "--" ends pip's options: a validated spec can never be read as one.
+        argv = [sys.executable, "-m", "pip", "install", "--quiet", *options, "--", *specs]
+        launch = build_launch(self.settings, paths, env, argv, options=launch_options)
+        code, output = await _run(launch.argv, launch.env, self.settings.workspace, PIP_TIMEOUT)
+        if code != 0:
+            where = "" if launch.backend == "none" else f" (in the {launch.backend} sandbox)"
+            raise PackageInstallError(
+                f"pip could not install {spec.text!r}{where}, exit code {code}:\n{trim_output(output)}"
+            )
+
+    async def _refresh_kernel(self) -> None:
+        """Make the running kernel see new files now. Call with ``session.lock`` held."""
+        try:
+            kernel = self.session.kernel
+        except KernelError:
+            return  # no kernel: the next one starts with the directory on sys.path
+        if not await kernel.km.is_alive():
+            return
+        path = str(self.settings.packages_dir)
+        # Silent and without history: no execution count, no output, no names left behind.
+        code = (
+            f"__import__('sys').path_importer_cache.pop({path!r}, None); "
+            f"{path!r} in __import__('sys').path or __import__('sys').path.insert(0, {path!r}); "
+            "__import__('importlib').invalidate_caches()"
+        )
+        kc = kernel.kc
+        msg_id = kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        deadline = time.monotonic() + REFRESH_TIMEOUT
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                reply = await kc.get_shell_msg(timeout=remaining)
+            except Exception:  # queue.Empty
+                break
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+        log.warning("the kernel did not confirm the import-cache refresh within %.0fs", REFRESH_TIMEOUT)
+
+
+async def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run argv (no shell) in its own process group; keep the output's tail; kill on timeout/cancel."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        env=env,
+        cwd=str(cwd),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    buf = bytearray()
+
+    async def drain() -> None:
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            buf.extend(chunk)
+            if len(buf) > OUTPUT_KEEP:
+                del buf[: len(buf) - OUTPUT_KEEP]
+        await proc.wait()
+
+    try:
+        await asyncio.wait_for(drain(), timeout)
+    except TimeoutError:
+        _kill(proc.pid)
+        await proc.wait()
+        tail = trim_output(buf.decode(errors="replace"))
+        raise PackageInstallError(f"pip did not finish within {timeout:.0f}s and was stopped:\n{tail}") from None
+    finally:
+        if proc.returncode is None:  # cancelled
+            _kill(proc.pid)
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(proc.wait())
+    assert proc.returncode is not None
+    return proc.returncode, buf.decode(errors="replace")
+
+
+def _kill(pid: int) -> None:
+    # bwrap's pid namespace takes every sandboxed process with it; unsandboxed, the group does.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def trim_output(output: str, limit: int = ERROR_CHARS) -> str:
+    """The part of pip's output that explains a failure: without warnings if errors exist, the tail."""
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    if any(ln.startswith("ERROR") or "error" in ln.lower() for ln in lines):
+        lines = [ln for ln in lines if not ln.startswith("WARNING:")] or lines
+    text = "\n".join(lines)
+    if len(text) > limit:
+        text = f"[... {len(text) - limit} characters of pip output trimmed ...]\n" + text[-limit:]
+    return text or "(pip printed nothing)"
+
+
+def _report_items(report: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(report.read_text())
+        items = data["install"]
+        assert isinstance(items, list)
+    except (OSError, ValueError, KeyError, AssertionError) as exc:
+        raise PackageInstallError(f"pip's installation report could not be read: {exc}") from None
+    # Requested first, then dependencies, each in pip's order.
+    return sorted(items, key=lambda it: not it.get("requested", False))
+
+
+def _pin(item: dict[str, Any]) -> str:
+    """Exactly the distribution the resolver chose, as a spec for a --no-deps install."""
+    meta = item["metadata"]
+    name, version = meta["name"], meta["version"]
+    if not item.get("is_direct"):
+        return f"{name}=={version}"
+    info = item["download_info"]
+    url = info["url"]
+    if "vcs_info" in info:
+        vcs = info["vcs_info"]
+        url = f"{vcs['vcs']}+{url}@{vcs.get('commit_id') or vcs.get('requested_revision', '')}".rstrip("@")
+    if info.get("subdirectory"):
+        url += f"#subdirectory={info['subdirectory']}"
+    return f"{name} @ {url}"
+
+
+def _already_satisfied(spec: PackageSpec, packages_dir: Path) -> str:
+    where = ""
+    if spec.name:
+        for label, path in (("the kernel's packages", [str(packages_dir)]), ("the server's environment", sys.path)):
+            dists = list(importlib.metadata.distributions(name=spec.name, path=path))
+            if dists:
+                where = f": {dists[0].metadata['Name']} {dists[0].version} from {label}"
+                break
+    return f"Nothing to install, {spec.text!r} is already satisfied{where}. It can be imported in the kernel."
+
+
+def _success_message(items: list[dict[str, Any]], replaced: list[Replaced]) -> str:
+    names = [f"{it['metadata']['name']} {it['metadata']['version']}" for it in items]
+    requested = [n for n, it in zip(names, items, strict=True) if it.get("requested")]
+    deps = [n for n, it in zip(names, items, strict=True) if not it.get("requested")]
+    text = f"Installed {', '.join(requested or names)}"
+    if deps and requested:
+        text += f" (with dependencies: {', '.join(deps)})"
+    text += ". It can be imported in the kernel now, and stays installed across reset() and restarts."
+    if replaced:
+        old = ", ".join(f"{r.name} {r.old_version}" for r in replaced)
+        text += f" Replaced {old}: modules already imported keep the old code until reset()."
+    return text
