@@ -29,7 +29,9 @@ from jupyter_client.manager import AsyncKernelManager
 
 from ipyfence.errors import KernelError
 from ipyfence.outputs import CellOutput
+from ipyfence.sandbox import integrity
 from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths
+from ipyfence.sandbox.plan import MountPlan
 from ipyfence.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 60.0  # seconds for a kernel to answer its first kernel_info
 INTERRUPT_GRACE = 3.0  # seconds an interrupted cell gets to stop before the kernel is replaced
 POLL = 0.2  # seconds between liveness checks while waiting for output
+WATCH_INTERVAL = 0.25  # seconds between checks that the host has not detached a mask
 
 # (elapsed seconds, last output line) → awaitable; used for MCP progress notifications.
 ProgressFn = Callable[[float, str], Awaitable[None]]
@@ -48,6 +51,17 @@ StopHook = Callable[[Path], Awaitable[None]]
 
 RUNTIME_PREFIX = "ipyfence-"
 OWNER_FILE = "server.pid"
+PLACEHOLDERS_FILE = "placeholders"
+
+
+def remove_placeholders(paths: list[str]) -> None:
+    """Remove the empty read-only placeholders bwrap created; anything with content stays."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)  # only succeeds when empty
+            elif os.path.isfile(path) and os.path.getsize(path) == 0:
+                os.unlink(path)
 
 
 def remove_stale_runtime_dirs() -> None:
@@ -57,6 +71,8 @@ def remove_stale_runtime_dirs() -> None:
             pid = int(owner.read_text())
             os.kill(pid, 0)
         except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                remove_placeholders((owner.parent / PLACEHOLDERS_FILE).read_text().splitlines())
             shutil.rmtree(owner.parent, ignore_errors=True)
         except (OSError, ValueError):
             continue
@@ -78,7 +94,20 @@ class RunningKernel:
     token: str
     launch: Launch
     log_path: Path
+    snapshot: integrity.Snapshot | None
     started_at: float = field(default_factory=time.monotonic)
+
+    def masks_broken(self) -> str | None:
+        """Why this kernel's masks no longer hold (a host rename detached them), if they don't."""
+        if self.snapshot is None:
+            return None
+        replaced = integrity.replaced_paths(self.snapshot)
+        if replaced:
+            return f"{', '.join(replaced)} was replaced on the host, which detached its sandbox mask"
+        return None
+
+    def unmasked_env_files(self) -> list[str]:
+        return integrity.new_env_files(self.snapshot) if self.snapshot else []
 
     def startup_log(self, limit: int = 2000) -> str:
         try:
@@ -109,6 +138,13 @@ class KernelFactory:
         # sandbox, and later installs show up through that mount without a restart.
         settings.packages_dir.mkdir(parents=True, exist_ok=True)
         self._counter = itertools.count(1)
+        self._placeholders: list[str] = []  # protected paths bwrap created as empty mount points
+
+    def _remember_placeholders(self, plan: MountPlan) -> None:
+        new = [p for p in (*plan.absent_files, *plan.absent_dirs) if p not in self._placeholders]
+        if new:
+            self._placeholders += new
+            (self.runtime_root / PLACEHOLDERS_FILE).write_text("\n".join(self._placeholders))
 
     async def start(self) -> RunningKernel:
         n = next(self._counter)
@@ -121,7 +157,11 @@ class KernelFactory:
         connection_file = kernel_dir / "kernel.json"
         env = base_env(self.settings, kernel_dir, token)
         paths = kernel_paths(self.settings, kernel_dir, self.runtime_root)
-        launch = build_launch(self.settings, paths, env, kernel_argv(connection_file))
+        # Planning walks the workspace (for .env files): keep that off the event loop.
+        launch = await asyncio.to_thread(build_launch, self.settings, paths, env, kernel_argv(connection_file))
+        snap = integrity.snapshot(launch.plan, self.settings.workspace) if launch.plan else None
+        if launch.plan is not None:
+            self._remember_placeholders(launch.plan)
         log_path = self.runtime_root / f"k{n}.log"
         km = _SandboxedKernelManager(
             transport="ipc",
@@ -145,7 +185,7 @@ class KernelFactory:
                 raise KernelError(f"could not start the kernel ({launch.backend}): {exc}") from None
         kc = km.client()
         kc.start_channels()
-        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path)
+        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path, snap)
         await self._wait_ready(kernel)
         return kernel
 
@@ -184,6 +224,7 @@ class KernelFactory:
             kernel.log_path.unlink()
 
     def remove_runtime_root(self) -> None:
+        remove_placeholders(self._placeholders)
         shutil.rmtree(self.runtime_root, ignore_errors=True)
 
 
@@ -197,6 +238,8 @@ class KernelSession:
         self._kernel: RunningKernel | None = None
         self._standby: asyncio.Task[RunningKernel] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._tripped: str | None = None  # why the watchdog stopped the kernel, told on the next call
 
     @property
     def kernel(self) -> RunningKernel:
@@ -207,6 +250,7 @@ class KernelSession:
     async def start(self) -> None:
         self._kernel = await self.factory.start()
         self._start_standby()
+        self._start_watchdog()
 
     def _start_standby(self) -> None:
         if self.settings.standby and self._standby is None:
@@ -218,7 +262,7 @@ class KernelSession:
         if standby is not None:
             try:
                 kernel = await standby
-                if await kernel.km.is_alive():
+                if await kernel.km.is_alive() and _integrity_problem(kernel) is None:
                     return kernel
                 await self.factory.stop(kernel)
             except Exception as exc:  # a failed standby must not block a reset
@@ -244,6 +288,8 @@ class KernelSession:
             await self.replace_kernel()
 
     async def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         standby, self._standby = self._standby, None
         if standby is not None:
             # Let a half-started standby finish, so it is stopped cleanly rather than orphaned.
@@ -266,22 +312,63 @@ class KernelSession:
         progress: ProgressFn | None = None,
     ) -> ExecutionResult:
         async with self.lock:
-            if self._kernel is None or not await self._kernel.km.is_alive():
-                await self.replace_kernel()
-            return await _Execution(self, code, timeout, max_output_chars, progress).run()
+            notes = await self._ensure_sound_kernel()
+            return await _Execution(self, code, timeout, max_output_chars, progress, notes).run()
+
+    async def _ensure_sound_kernel(self) -> list[str]:
+        """Replace a dead kernel, or one whose masks no longer hold; say so if state was lost."""
+        notes: list[str] = []
+        if self._tripped is not None:
+            notes.append(self._tripped)
+            self._tripped = None
+        kernel = self._kernel
+        problem = _integrity_problem(kernel) if kernel is not None else None
+        if problem is not None:
+            notes.append(f"[ipyfence: {problem}; the kernel was replaced before this cell. Variables were lost.]")
+        if kernel is None or problem is not None or not await kernel.km.is_alive():
+            await self.replace_kernel()
+        return notes
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch_masks())
+
+    async def _watch_masks(self) -> None:
+        """Kill the kernel the moment a host rename detaches one of its masks.
+
+        Between calls a background thread in the kernel could otherwise read the unmasked file.
+        """
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            kernel = self._kernel
+            why = kernel.masks_broken() if kernel is not None else None
+            if kernel is None or why is None or self._kernel is not kernel:
+                continue
+            log.warning("stopping the kernel: %s", why)
+            self._tripped = f"[ipyfence: the kernel was stopped because {why}. Variables were lost.]"
+            self._kernel = None
+            self._spawn(self.factory.stop(kernel))
 
 
 class _Execution:
     """One cell: send, collect iopub until idle, handle timeout and kernel death."""
 
     def __init__(
-        self, session: KernelSession, code: str, timeout: float, limit: int, progress: ProgressFn | None
+        self,
+        session: KernelSession,
+        code: str,
+        timeout: float,
+        limit: int,
+        progress: ProgressFn | None,
+        notes: list[str],
     ) -> None:
         self.session = session
         self.kernel = session.kernel
         self.code = code
         self.timeout = timeout
         self.out = CellOutput(limit)
+        for note in notes:
+            self.out.add_note(note)
         self.progress = progress
         self.msg_id = ""
         self.started = time.monotonic()
@@ -371,14 +458,28 @@ class _Execution:
         return False
 
     async def _kernel_died(self, died: _KernelDied) -> ExecutionResult:
-        code = self.kernel.km.provisioner.process.returncode if self.kernel.km.provisioner else None
-        how = _describe_exit(code)
+        process = getattr(self.kernel.km.provisioner, "process", None)
+        how = _describe_exit(process.returncode if process is not None else None)
         await self.session.replace_kernel()
+        if self.session._tripped is not None:  # the watchdog stopped it: say why, not just "died"
+            self.out.add_note(self.session._tripped + " A new kernel is ready.")
+            self.session._tripped = None
+            return ExecutionResult(self.out, error=True, state_lost=True)
         self.out.add_note(
             f"[ipyfence: the kernel died ({how}) while running this cell. All variables and imports are lost; "
             "a new kernel is ready.]"
         )
         return ExecutionResult(self.out, error=True, state_lost=True)
+
+
+def _integrity_problem(kernel: RunningKernel) -> str | None:
+    broken = kernel.masks_broken()
+    if broken is not None:
+        return broken
+    new_env = kernel.unmasked_env_files()
+    if new_env:
+        return f"new .env file(s) {', '.join(new_env)} appeared after the kernel started and were not masked in it"
+    return None
 
 
 class _KernelDied(Exception):

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -48,6 +50,7 @@ class App:
         )
         self.installer = _load_installer(settings, self.session)
         self._starting: asyncio.Task[None] | None = None
+        self._stopped = False
 
     async def start(self) -> None:
         """Start the kernel in the background: `initialize` need not wait for it."""
@@ -66,6 +69,9 @@ class App:
         return self.session
 
     async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
         if self._starting is not None:
             with contextlib.suppress(BaseException):
                 await self._starting
@@ -191,8 +197,12 @@ async def serve_stdio(settings: Settings) -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("received %s, shutting down", signal.Signals(signum).name)
-                    tg.cancel_scope.cancel()
-                    return
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+                        await app.stop()
+                    # The stdio transport reads stdin in a worker thread that no cancellation can
+                    # reach; waiting for it would keep us alive until the client closes the pipe.
+                    sys.stderr.flush()
+                    os._exit(0)
 
         tg.start_soon(stop_on_signal)
         await server.run_stdio_async()

@@ -87,15 +87,27 @@ def test_plan_masks_env_files_at_any_depth(tmp_path: Path, ws: Path) -> None:
     assert plan.writable == (str(ws),)
 
 
-def test_plan_protects_hooks_git_config_mcp_json_rc_files(tmp_path: Path, ws: Path) -> None:
+def test_plan_protects_whole_git_dir_mcp_json_rc_files(tmp_path: Path, ws: Path) -> None:
+    # The whole .git is read-only by default: git rewrites .git/config via rename(), which
+    # would detach a mount on the file itself.
     plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
     assert {
-        str(ws / ".git" / "hooks"),
-        str(ws / ".git" / "config"),
+        str(ws / ".git"),
         str(ws / ".mcp.json"),
         str(ws / "sub" / ".bashrc"),
     } <= set(plan.readonly)
     assert str(ws / "ok.txt") not in plan.readonly
+
+
+def test_plan_makes_absent_protected_names_read_only_placeholders(tmp_path: Path, ws: Path) -> None:
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    assert set(plan.absent_dirs) == {str(ws / d) for d in (".claude", ".vscode", ".idea", ".cursor")}
+    assert plan.absent_files == ()  # .mcp.json exists in this workspace
+    argv, _ = rendered(tmp_path, ws, resolved_default(ws))
+    i = argv.index(str(ws / ".claude"))
+    assert argv[i - 3 : i] == ["--perms", "0555", "--tmpfs"]
+    remounts = [argv[j + 1] for j, arg in enumerate(argv) if arg == "--remount-ro"]
+    assert str(ws / ".claude") in remounts
 
 
 def test_plan_allow_git_config_keeps_hooks_protected(tmp_path: Path, ws: Path) -> None:

@@ -53,9 +53,9 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops: list[tuple[int, int, str, list[str]]] = []
     for p in (*plan.writable, *options.extra_writable):
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
-    for p in plan.hidden_dirs:
+    for p in (*plan.hidden_dirs, *plan.absent_dirs):
         ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
-    for p in plan.masked_files:
+    for p in (*plan.masked_files, *plan.absent_files):
         ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
     for p in plan.readonly:
         ops.append((_depth(p), _READONLY, p, ["--ro-bind", p, p]))
@@ -66,7 +66,7 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops.append((_depth(k), _KERNEL, k, ["--bind", k, k]))
     ops.sort(key=lambda op: (op[0], op[1], op[2]))
     # Hidden dirs become read-only last, so that mount points inside them can still be made.
-    remounts = [["--remount-ro", p] for p in plan.hidden_dirs]
+    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *plan.absent_dirs)]
     return [op[3] for op in ops] + remounts
 
 

@@ -44,6 +44,14 @@ PROTECTED_DIRS = (
 )
 GIT_CONFIG = ".git/config"
 
+# Protected names that are created as read-only placeholders at the workspace root when they
+# do not exist yet, so the kernel cannot plant them: an agent or editor would run what they
+# say (Claude Code hooks in .claude/settings.json, MCP servers in .mcp.json, VS Code tasks,
+# git hooks in a fresh .git). Empty placeholders are removed again when the server exits.
+ROOT_PLACEHOLDER_DIRS = (".claude", ".vscode", ".idea", ".cursor", ".git")
+ROOT_PLACEHOLDER_FILES = (".mcp.json",)
+HOME_PLACEHOLDER_FILES = (".bashrc", ".bash_profile", ".profile", ".zshrc", ".zprofile", ".zshenv", ".gitconfig")
+
 # Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
@@ -75,6 +83,8 @@ class MountPlan:
     readonly: tuple[str, ...]  # bind read-only over a writable root
     reallowed: tuple[str, ...]  # bind back (read-only) inside a hidden dir
     warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
+    absent_files: tuple[str, ...] = ()  # protected names that do not exist: read-only empty placeholders
+    absent_dirs: tuple[str, ...] = ()  # same, for directories
 
 
 def default_server_install() -> tuple[Path, ...]:
@@ -149,15 +159,23 @@ def _find_globbed(patterns: tuple[str, ...], warnings: list[str]) -> tuple[list[
 
 
 def _protected_in(root: str, allow_git_config: bool) -> list[str]:
-    """Existing always-protected paths under a writable root (at any depth, bounded)."""
+    """Existing always-protected paths under a writable root (at any depth, bounded).
+
+    By default the whole ``.git`` directory is read-only, not just hooks and config: git
+    itself rewrites config through a lock file and rename(), and a rename on the host
+    silently detaches a bind mount on the replaced file. ``allowGitConfig`` makes ``.git``
+    writable except its hooks.
+    """
     names = set(PROTECTED_FILES)
+    git_rules = (".git/hooks",) if allow_git_config else (".git",)
+    dir_rules = tuple(d for d in PROTECTED_DIRS if not d.startswith(".git")) + git_rules
     found: list[str] = []
     try:
         for dirpath, dirnames, filenames in _walk(root, SCAN_LIMIT):
             for name in filenames:
                 if name in names:
                     found.append(os.path.join(dirpath, name))
-            for rel in PROTECTED_DIRS + (() if allow_git_config else (GIT_CONFIG,)):
+            for rel in dir_rules:
                 candidate = os.path.join(dirpath, rel)
                 if os.path.lexists(candidate) and not os.path.islink(candidate):
                     found.append(candidate)
@@ -200,6 +218,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
+    absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
 
     return MountPlan(
         writable=tuple(dict.fromkeys(writable)),
@@ -208,4 +227,22 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         readonly=tuple(dict.fromkeys(readonly)),
         reallowed=tuple(dict.fromkeys(reallowed)),
         warnings=tuple(warnings),
+        absent_files=absent_files,
+        absent_dirs=absent_dirs,
     )
+
+
+def _absent_placeholders(
+    workspace: Path, writable: list[str], allow_git_config: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Protected names missing at the workspace root (only when the workspace is writable)."""
+    ws = str(workspace)
+    if not any(_under(ws, w) for w in writable):
+        return (), ()
+    file_names: tuple[str, ...] = ROOT_PLACEHOLDER_FILES
+    if os.path.realpath(os.path.expanduser("~")) == os.path.realpath(ws):
+        file_names += HOME_PLACEHOLDER_FILES
+    dir_names = tuple(d for d in ROOT_PLACEHOLDER_DIRS if not (d == ".git" and allow_git_config))
+    files = tuple(os.path.join(ws, n) for n in file_names if not os.path.lexists(os.path.join(ws, n)))
+    dirs = tuple(os.path.join(ws, n) for n in dir_names if not os.path.lexists(os.path.join(ws, n)))
+    return files, dirs

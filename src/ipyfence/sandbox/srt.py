@@ -134,7 +134,7 @@ def _protected_globs(roots: Sequence[str], allow_git_config: bool) -> list[str]:
 
 
 def _deny_write(policy: Policy, plan: MountPlan, user_roots: Sequence[str], platform: Platform) -> list[str]:
-    out = [*policy.filesystem.deny_write, *plan.readonly]
+    out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs]
     if platform == "darwin":
         out += _protected_globs(user_roots, policy.filesystem.allow_git_config)
     # On Linux srt drops write globs (bwrap needs real paths); the existing protected paths
