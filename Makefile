@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-NPM_GLOBAL := @anthropic-ai/sandbox-runtime @modelcontextprotocol/server-everything @modelcontextprotocol/inspector
+NPM_GLOBAL := @anthropic-ai/sandbox-runtime@0.0.78 @modelcontextprotocol/server-everything@2026.8.31 @modelcontextprotocol/inspector@0.15.0
 
 .PHONY: run demo test lint bench soak install install-test system-deps test-deps doctor clean
 
@@ -18,9 +18,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Debian packages the tests need, installed only when their command is missing.
+APT_FOR := bwrap:bubblewrap prlimit:util-linux setpriv:util-linux socat:socat rg:ripgrep git:git node:nodejs npm:npm
 system-deps:
-	$(SUDO) apt-get update -qq
-	$(SUDO) apt-get install -y -qq bubblewrap util-linux socat ripgrep git nodejs npm >/dev/null
+	@missing=""; for pair in $(APT_FOR); do command -v "$${pair%%:*}" >/dev/null || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then echo "apt-get install$$missing" >&2; \
+		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) install -q -e ".[test]" >&2

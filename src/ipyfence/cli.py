@@ -189,6 +189,7 @@ def render_policy_report(settings: Settings) -> str:
             "hidden_dirs": list(launch.plan.hidden_dirs),
             "readonly": list(launch.plan.readonly),
             "reallowed": list(launch.plan.reallowed),
+            "placeholders": [*launch.plan.absent_files, *launch.plan.absent_dirs],
             "warnings": list(launch.plan.warnings),
         }
     shown = [_redact(arg, settings) for arg in launch.argv]

@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager
 
+from ipyfence import limitnotes
 from ipyfence.errors import KernelError
 from ipyfence.outputs import CellOutput
 from ipyfence.sandbox import integrity
+from ipyfence.sandbox.cgroups import Cgroups, Events, KernelGroups
 from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths
 from ipyfence.sandbox.plan import MountPlan
 from ipyfence.settings import Settings
@@ -95,7 +98,11 @@ class RunningKernel:
     launch: Launch
     log_path: Path
     snapshot: integrity.Snapshot | None
+    groups: KernelGroups | None = None  # its cgroups, when the host lets us make them
     started_at: float = field(default_factory=time.monotonic)
+
+    def events(self) -> Events:
+        return self.groups.events() if self.groups is not None else Events()
 
     def masks_broken(self) -> str | None:
         """Why this kernel's masks no longer hold (a host rename detached them), if they don't."""
@@ -137,6 +144,9 @@ class KernelFactory:
         # Must exist before the first kernel starts: it is bind-mounted (read-only) into every
         # sandbox, and later installs show up through that mount without a restart.
         settings.packages_dir.mkdir(parents=True, exist_ok=True)
+        # Limits rlimits cannot enforce (pids as root, memory of a process tree). Unsandboxed
+        # kernels get no limits at all, consistently with --no-sandbox meaning "none of it".
+        self.cgroups = Cgroups(settings.policy.limits) if settings.sandbox else None
         self._counter = itertools.count(1)
         self._placeholders: list[str] = []  # protected paths bwrap created as empty mount points
 
@@ -163,6 +173,8 @@ class KernelFactory:
         if launch.plan is not None:
             self._remember_placeholders(launch.plan)
         log_path = self.runtime_root / f"k{n}.log"
+        groups = self._groups(f"k{n}")
+        argv = groups.wrap(launch.argv) if groups is not None else launch.argv
         km = _SandboxedKernelManager(
             transport="ipc",
             ip=str(kernel_dir / "zmq"),
@@ -170,7 +182,7 @@ class KernelFactory:
             cache_ports=False,
         )
         km._kernel_spec = KernelSpec(
-            argv=launch.argv, display_name="ipyfence", language="python", interrupt_mode="message", env={}
+            argv=argv, display_name="ipyfence", language="python", interrupt_mode="message", env={}
         )
         with open(log_path, "ab") as log_file:
             try:
@@ -182,12 +194,22 @@ class KernelFactory:
                     stderr=log_file,
                 )
             except OSError as exc:
+                if groups is not None:
+                    await asyncio.to_thread(groups.remove)
                 raise KernelError(f"could not start the kernel ({launch.backend}): {exc}") from None
         kc = km.client()
         kc.start_channels()
-        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path, snap)
+        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path, snap, groups)
         await self._wait_ready(kernel)
         return kernel
+
+    def _groups(self, name: str) -> KernelGroups | None:
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.for_kernel(name)
+        except OSError as exc:  # the hierarchy worked at start-up: refuse rather than run unlimited
+            raise KernelError(f"could not set up the kernel's cgroup limits: {exc}") from None
 
     async def _wait_ready(self, kernel: RunningKernel) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -216,6 +238,8 @@ class KernelFactory:
             await kernel.km.shutdown_kernel(now=True)
         with contextlib.suppress(Exception):
             await kernel.km.cleanup_resources()
+        if kernel.groups is not None:  # kills anything still in the kernel's groups
+            await asyncio.to_thread(kernel.groups.remove)
         if self.on_stop is not None:
             with contextlib.suppress(Exception):
                 await self.on_stop(kernel.kernel_dir)
@@ -224,6 +248,8 @@ class KernelFactory:
             kernel.log_path.unlink()
 
     def remove_runtime_root(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.close()
         remove_placeholders(self._placeholders)
         shutil.rmtree(self.runtime_root, ignore_errors=True)
 
@@ -325,7 +351,17 @@ class KernelSession:
         problem = _integrity_problem(kernel) if kernel is not None else None
         if problem is not None:
             notes.append(f"[ipyfence: {problem}; the kernel was replaced before this cell. Variables were lost.]")
-        if kernel is None or problem is not None or not await kernel.km.is_alive():
+        alive = kernel is not None and await kernel.km.is_alive()
+        if kernel is not None and problem is None and not alive:
+            # Died between calls (a background thread, a limit): say so, or state vanishes silently.
+            process = getattr(kernel.km.provisioner, "process", None)
+            code = process.returncode if process is not None else None
+            cause = limitnotes.death_cause(self.settings.policy.limits, code, Events(), kernel.events())
+            notes.append(
+                f"[ipyfence: the kernel died ({cause}) after the previous call. State lost: all variables and "
+                "imports are gone; this cell runs in a new kernel.]"
+            )
+        if kernel is None or problem is not None or not alive:
             await self.replace_kernel()
         return notes
 
@@ -373,6 +409,8 @@ class _Execution:
         self.msg_id = ""
         self.started = time.monotonic()
         self.last_progress = self.started
+        self.limits = session.settings.policy.limits
+        self.events_before = self.kernel.events()
 
     async def run(self) -> ExecutionResult:
         kc = self.kernel.kc
@@ -380,14 +418,23 @@ class _Execution:
         try:
             finished = await self._collect_until_idle(self.started + self.timeout)
         except asyncio.CancelledError:
-            # The MCP call was cancelled: stop the cell (or the kernel) before giving up.
-            await asyncio.shield(self._interrupt_or_replace("the request was cancelled"))
+            # The MCP call was cancelled: stop the cell (or the kernel) before giving up, still
+            # holding the session lock. An anyio shield, not asyncio.shield: the SDK cancels through
+            # an anyio scope, which re-cancels every await, and asyncio.shield would let the
+            # interrupt run on unawaited while the next cell starts and its output is swallowed.
+            with anyio.CancelScope(shield=True):
+                await self._interrupt_or_replace("the request was cancelled")
             raise
         except _KernelDied as died:
             return await self._kernel_died(died)
         if not finished:
             return await self._timed_out()
         await self._read_reply()
+        after = self.kernel.events()
+        for note in limitnotes.cell_notes(
+            self.limits, self.out.error_name, self.out.error_value, self.events_before, after
+        ):
+            self.out.add_note(note)
         return ExecutionResult(self.out, error=self.out.error_name is not None)
 
     async def _collect_until_idle(self, deadline: float) -> bool:
@@ -459,16 +506,14 @@ class _Execution:
 
     async def _kernel_died(self, died: _KernelDied) -> ExecutionResult:
         process = getattr(self.kernel.km.provisioner, "process", None)
-        how = _describe_exit(process.returncode if process is not None else None)
+        code = process.returncode if process is not None else None
+        cause = limitnotes.death_cause(self.limits, code, self.events_before, self.kernel.events())
         await self.session.replace_kernel()
         if self.session._tripped is not None:  # the watchdog stopped it: say why, not just "died"
             self.out.add_note(self.session._tripped + " A new kernel is ready.")
             self.session._tripped = None
             return ExecutionResult(self.out, error=True, state_lost=True)
-        self.out.add_note(
-            f"[ipyfence: the kernel died ({how}) while running this cell. All variables and imports are lost; "
-            "a new kernel is ready.]"
-        )
+        self.out.add_note(limitnotes.death_note(cause))
         return ExecutionResult(self.out, error=True, state_lost=True)
 
 
@@ -484,20 +529,3 @@ def _integrity_problem(kernel: RunningKernel) -> str | None:
 
 class _KernelDied(Exception):
     pass
-
-
-def _describe_exit(code: int | None) -> str:
-    """bwrap reports a signal death of the kernel as 128+N."""
-    import signal
-
-    if code is None:
-        return "exit status unknown"
-    if code < 0 or code > 128:
-        num = -code if code < 0 else code - 128
-        try:
-            name = signal.Signals(num).name
-        except ValueError:
-            name = f"signal {num}"
-        hint = " — likely out of memory" if name == "SIGKILL" else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {code}"

@@ -123,8 +123,22 @@ def build_server(app: App) -> MCPServer[Any]:
     async def execute_ipython_cell(
         code: Annotated[str, Field(description="Python code to execute")],
         ctx: Context,
-        timeout: Annotated[float, Field(gt=0, le=MAX_TIMEOUT, description="Maximum execution time in seconds")] = 120,
-        max_output_chars: Annotated[int, Field(ge=1, le=MAX_OUTPUT_CHARS, description="Output character limit")] = 5000,
+        # strict: a JSON true/false is not silently taken as 1/0
+        timeout: Annotated[
+            float,
+            Field(
+                gt=0,
+                le=MAX_TIMEOUT,
+                strict=True,
+                description=f"Maximum execution time in seconds (> 0, <= {MAX_TIMEOUT})",
+            ),
+        ] = 120,
+        max_output_chars: Annotated[
+            int,
+            Field(
+                ge=1, le=MAX_OUTPUT_CHARS, strict=True, description=f"Output character limit (1 to {MAX_OUTPUT_CHARS})"
+            ),
+        ] = 5000,
     ) -> CallToolResult:
         """Execute Python code in a stateful IPython kernel. Executed code can use the generated Python tool API
         of registered MCP servers. MCP tool calls from executed code are auto-approved. Returns the output."""

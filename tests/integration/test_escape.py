@@ -460,40 +460,63 @@ def test_nothing_left_on_the_host() -> None:
 # strict xfail: when the gap is closed the test starts passing and xfail(strict) flags it.
 
 
-@pytest.mark.xfail(strict=True, reason="masks are computed at kernel start: a .env created later is readable")
 @pytest.mark.anyio
-async def test_env_created_after_kernel_start_is_masked(make_client: Any, workspace: Path) -> None:
+async def test_env_created_at_root_after_kernel_start_is_masked(make_client: Any, workspace: Path) -> None:
+    """A new root .env makes ipyfence replace the kernel (with a fresh scan) before the next cell."""
     require_bwrap()
     async with make_client() as client:
-        await run_cell(client, "1")
+        await run_cell(client, "x = 1")
         (workspace / ".env").write_text(f"LATE=late-{RUN_ID}\n")
         (workspace / "new").mkdir()
         (workspace / "new" / ".env.production").write_text(f"PROD=prod-{RUN_ID}\n")
-        leaked = []
-        for rel in (".env", "new/.env.production"):
-            text, _ = await run_cell(
-                client, f"try:\n    print(open({rel!r}).read())\nexcept OSError as e:\n    print(e)"
-            )
-            if RUN_ID in text:
-                leaked.append(rel)
-        assert not leaked, f"readable from the kernel: {leaked}"
+        text, _ = await run_cell(client, "print(open('.env').read())")
+        assert RUN_ID not in text and "appeared after the kernel started" in text and "Variables were lost" in text
+        text, _ = await run_cell(client, "print(open('new/.env.production').read())")
+        assert RUN_ID not in text  # the fresh kernel's scan found the deeper one too
 
 
-@pytest.mark.xfail(
-    strict=True, reason="protected paths are only protected when they exist at kernel start; absent ones can be created"
-)
+@pytest.mark.anyio
+async def test_env_replaced_by_rename_on_host_stops_the_kernel(make_client: Any, workspace: Path) -> None:
+    """A host rename() over a masked .env detaches its mount; the kernel must not get to read it."""
+    require_bwrap()
+    (workspace / ".env").write_text("OLD=old\n")
+    async with make_client() as client:
+        await run_cell(client, "x = 1")
+        tmp = workspace / ".env.tmp"
+        tmp.write_text(f"NEW=new-{RUN_ID}\n")
+        os.rename(tmp, workspace / ".env")  # what editors' atomic save and `dotenv set-key` do
+        await anyio.sleep(1.0)  # the watchdog polls every 250 ms
+        text, is_error = await run_cell(client, "print(open('.env').read())")
+        assert RUN_ID not in text and is_error
+        assert "was replaced on the host" in text and "Variables were lost" in text
+
+
+@pytest.mark.xfail(strict=True, reason="masks are computed at kernel start: a deep .env created later is readable")
+@pytest.mark.anyio
+async def test_deep_env_created_after_kernel_start_is_masked(make_client: Any, workspace: Path) -> None:
+    require_bwrap()
+    async with make_client() as client:
+        await run_cell(client, "1")
+        (workspace / "new").mkdir()
+        (workspace / "new" / ".env.production").write_text(f"PROD=prod-{RUN_ID}\n")
+        text, _ = await run_cell(client, "print(open('new/.env.production').read())")
+        assert RUN_ID not in text, "readable from the kernel"
+
+
 @pytest.mark.anyio
 async def test_absent_protected_paths_cannot_be_created(make_client: Any, workspace: Path) -> None:
     require_bwrap()
     (workspace / ".git").mkdir()  # a repository without hooks/ or config (e.g. a fresh clone layout varies)
+    # What an agent or editor would run later: git hooks, MCP servers, Claude Code hooks, VS Code
+    # tasks. (.envrc and a .bashrc in a workspace that is not $HOME are not run without consent.)
     targets = [
         ".git/hooks/pre-commit",
         ".git/config",
         ".mcp.json",
         ".claude/settings.json",
         ".vscode/tasks.json",
-        ".envrc",
-        ".bashrc",
+        ".cursor/mcp.json",
+        ".idea/workspace.xml",
     ]
     async with make_client() as client:
         code = (
@@ -508,6 +531,8 @@ async def test_absent_protected_paths_cannot_be_created(make_client: Any, worksp
         await run_cell(client, code)
     created = [t for t in targets if (workspace / t).exists()]
     assert not created, f"the kernel created protected files on the host: {created}"
+    # The read-only placeholders that made this so are gone again after the server exits.
+    assert sorted(os.listdir(workspace)) == [".git"]
 
 
 @pytest.mark.xfail(

@@ -252,11 +252,6 @@ def test_no_kernel_left_after_server_is_signalled(workspace: Path, state_dir: Pa
         proc.wait()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after SIGTERM the kernel is stopped but the server waits for stdin EOF "
-    "(asyncio waits for the blocked stdin reader thread at shutdown)",
-)
 def test_server_exits_on_sigterm_while_stdin_is_open(workspace: Path, state_dir: Path) -> None:
     require_bwrap()
     proc = _start_server(workspace, state_dir)

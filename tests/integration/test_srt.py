@@ -210,8 +210,10 @@ async def test_escape_attacks(
             assert not is_error, text
             results = _results(text)
             effects = _host_effects(workspace, tmp_path)
-            # srt stubs missing protected files in its cwd; none may appear in the workspace.
+            # srt stubs missing protected files in its cwd; none of those may appear in the
+            # workspace. ipyfence's own read-only placeholders do, while the server runs.
             during = sorted(os.listdir(workspace))
+        after = sorted(os.listdir(workspace))
     finally:
         _cleanup_home(tmp_path)
 
@@ -225,7 +227,9 @@ async def test_escape_attacks(
         assert results["proc_secret"][0] == "ok"
         return
 
-    assert during == [".env", ".git", "app"], during
+    placeholders = [".claude", ".cursor", ".idea", ".mcp.json", ".vscode"]
+    assert during == sorted([".env", ".git", "app", *placeholders]), during
+    assert after == [".env", ".git", "app"], after  # empty placeholders are removed at exit
     assert sorted(os.listdir(workspace)) == [".env", ".git", "app"]
     blocked = {name: outcome for name, (outcome, _) in results.items()}
     assert SECRET_ENV not in results["read_env"][1]

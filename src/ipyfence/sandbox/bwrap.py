@@ -30,6 +30,8 @@ ALWAYS = (
     "ipyfence",
 )
 
+CPU_GRACE = 5  # CPU seconds between SIGXCPU and SIGKILL, for a cell that ignores SIGXCPU
+
 # Mount operations at the same path apply in this order; parents always come first.
 _BIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(6)
 
@@ -78,7 +80,9 @@ def limits_prefix(limits: LimitsPolicy) -> list[str]:
     if limits.max_processes:
         flags.append(f"--nproc={limits.max_processes}")
     if limits.cpu_seconds:
-        flags.append(f"--cpu={limits.cpu_seconds}")
+        # soft < hard: at the soft limit the kernel gets SIGXCPU, which names the cause; with
+        # soft == hard Linux sends SIGKILL instead, indistinguishable from an OOM kill.
+        flags.append(f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + CPU_GRACE}")
     if limits.max_file_size_mb:
         flags.append(f"--fsize={limits.max_file_size_mb * 1024 * 1024}")
     if limits.open_files:
