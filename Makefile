@@ -9,8 +9,15 @@ NPM_GLOBAL := @anthropic-ai/sandbox-runtime@0.0.78 @modelcontextprotocol/server-
 .PHONY: run demo test lint bench soak install install-test system-deps test-deps doctor clean
 
 # --- set-up -------------------------------------------------------------------------------
+UNAME := $(shell uname -s)
+
 $(VENV)/.installed: pyproject.toml
+ifeq ($(UNAME),Darwin)
+	@command -v srt >/dev/null || { echo "macOS needs sandbox-runtime: npm install -g @anthropic-ai/sandbox-runtime (Node.js: brew install node)" >&2; \
+		command -v npm >/dev/null && npm install -g --silent @anthropic-ai/sandbox-runtime >&2 || exit 1; }
+else
 	@command -v bwrap >/dev/null || { echo "installing bubblewrap" >&2; $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap util-linux >&2; }
+endif
 	@python3 -m venv $(VENV) >&2
 	@$(PIP) install -q --upgrade pip >&2
 	@$(PIP) install -q -e . >&2
