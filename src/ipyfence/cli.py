@@ -104,19 +104,27 @@ def main(
 
 
 def _serve(settings: Settings) -> None:
-    from ipyfence.server import serve_stdio
-
     try:
         _preflight(settings)
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
     _banner(settings)
     try:
-        anyio.run(serve_stdio, settings)
+        anyio.run(_serve_async, settings)
     except KeyboardInterrupt:
         pass
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+async def _serve_async(settings: Settings) -> None:
+    from ipyfence.app import App
+
+    app = App(settings)
+    await app.start()  # the kernel process is launched: it boots while the MCP SDK is imported
+    from ipyfence.server import serve_stdio
+
+    await serve_stdio(app)
 
 
 def _preflight(settings: Settings) -> None:

@@ -5,7 +5,6 @@ Expected failures raise ``ToolError`` (→ ``isError``); nothing here writes to 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -20,9 +19,9 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
+from ipyfence.app import App
 from ipyfence.errors import IpyfenceError
 from ipyfence.kernel import ExecutionResult, KernelSession
-from ipyfence.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -37,65 +36,6 @@ execute_ipython_cell calls until reset(). Use register_mcp_server to generate a 
 """
 
 
-class App:
-    """Owns the kernel session and the optional services; the tools are adapters over it."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.tools = _load_tools_service(settings)
-        self.session = KernelSession(
-            settings,
-            on_start=self.tools.attach_kernel if self.tools else None,
-            on_stop=self.tools.detach_kernel if self.tools else None,
-        )
-        self.installer = _load_installer(settings, self.session)
-        self._starting: asyncio.Task[None] | None = None
-        self._stopped = False
-
-    async def start(self) -> None:
-        """Start the kernel in the background: `initialize` need not wait for it."""
-        if self.tools is not None:
-            await self.tools.start()
-        self._starting = asyncio.create_task(self.session.start())
-
-    async def ready(self) -> KernelSession:
-        if self._starting is not None:
-            try:
-                await self._starting
-            except IpyfenceError as exc:
-                self._starting = None  # the next call tries again
-                raise ToolError(f"the sandboxed kernel could not start: {exc}") from None
-            self._starting = None
-        return self.session
-
-    async def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self._starting is not None:
-            with contextlib.suppress(BaseException):
-                await self._starting
-        await self.session.shutdown()
-        if self.tools is not None:
-            await self.tools.aclose()
-
-
-def _load_tools_service(settings: Settings) -> Any:
-    try:
-        from ipyfence.mcptools.service import McpToolsService
-    except ImportError:
-        return None
-    return McpToolsService(settings)
-
-
-def _load_installer(settings: Settings, session: KernelSession) -> Any:
-    try:
-        from ipyfence.packages import PackageInstaller
-    except ImportError:
-        return None
-    return PackageInstaller(settings, session)
-
-
 def result_to_mcp(result: ExecutionResult) -> CallToolResult:
     out = result.output
     text = out.text.render()
@@ -106,10 +46,16 @@ def result_to_mcp(result: ExecutionResult) -> CallToolResult:
     return CallToolResult(content=content, is_error=result.error)
 
 
+async def _ready(app: App) -> KernelSession:
+    try:
+        return await app.ready()
+    except IpyfenceError as exc:
+        raise ToolError(f"the sandboxed kernel could not start: {exc}") from None
+
+
 def build_server(app: App) -> MCPServer[Any]:
     @contextlib.asynccontextmanager
     async def lifespan(_: MCPServer[Any]) -> AsyncIterator[None]:
-        await app.start()
         try:
             yield
         finally:
@@ -142,7 +88,7 @@ def build_server(app: App) -> MCPServer[Any]:
     ) -> CallToolResult:
         """Execute Python code in a stateful IPython kernel. Executed code can use the generated Python tool API
         of registered MCP servers. MCP tool calls from executed code are auto-approved. Returns the output."""
-        session = await app.ready()
+        session = await _ready(app)
 
         async def progress(elapsed: float, last_line: str) -> None:
             await ctx.report_progress(elapsed, None, f"running for {elapsed:.0f}s; last output: {last_line[:200]}")
@@ -163,10 +109,8 @@ def build_server(app: App) -> MCPServer[Any]:
     ) -> str:
         """Connects to an MCP server and generates a Python API for its tools under mcptools/{server_name}/.
         Returns the importable module names."""
-        if app.tools is None:
-            raise ToolError("register_mcp_server is not available in this build")
         try:
-            modules: list[str] = await app.tools.register(server_name, server_params)
+            modules = await (await app.tools()).register(server_name, server_params)
         except IpyfenceError as exc:
             raise ToolError(str(exc)) from None
         return "\n".join(modules)
@@ -178,20 +122,17 @@ def build_server(app: App) -> MCPServer[Any]:
         ],
     ) -> str:
         """Installs a Python package via pip (inside the sandbox). Supports version specifiers and git URLs."""
-        if app.installer is None:
-            raise ToolError("install_package is not available in this build")
-        await app.ready()
+        await _ready(app)
         try:
-            message: str = await app.installer.install(package_name)
+            return await app.installer().install(package_name)
         except IpyfenceError as exc:
             raise ToolError(str(exc)) from None
-        return message
 
     @mcp.tool()
     async def reset() -> str:
         """Creates a new kernel, clearing all variables and imports. Installed packages and generated mcptools/
         persist."""
-        session = await app.ready()
+        session = await _ready(app)
         try:
             await session.reset()
         except IpyfenceError as exc:
@@ -201,9 +142,8 @@ def build_server(app: App) -> MCPServer[Any]:
     return mcp
 
 
-async def serve_stdio(settings: Settings) -> None:
+async def serve_stdio(app: App) -> None:
     """Serve until stdin closes or SIGTERM/SIGHUP/SIGINT arrives; the kernel is stopped either way."""
-    app = App(settings)
     server = build_server(app)
     async with anyio.create_task_group() as tg:
 
