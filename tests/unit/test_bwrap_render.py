@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,15 @@ def test_render_is_pure_and_deterministic(tmp_path: Path, ws: Path) -> None:
     first, _ = rendered(tmp_path, ws, resolved_default(ws))
     second, _ = rendered(tmp_path, ws, resolved_default(ws))
     assert first == second
+
+
+def test_server_install_under_tmp_is_bound_back_read_only(tmp_path: Path, ws: Path) -> None:
+    """A checkout (and its venv) under /tmp must stay visible: the sandbox replaces /tmp."""
+    venv = tmp_path / "checkout" / ".venv"
+    venv.mkdir(parents=True)
+    paths = dataclasses.replace(sandbox_paths(tmp_path, ws), server_install=(venv,))
+    plan = plan_mounts(resolved_default(ws), paths)
+    assert str(venv) in plan.reallowed
+    argv = render(resolved_default(ws), plan, paths, {}, ["python"], bwrap="bwrap")
+    i = argv.index("--tmpfs")
+    assert argv.index(str(venv)) > i and argv[argv.index(str(venv)) - 1] == "--ro-bind"

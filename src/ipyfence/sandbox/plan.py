@@ -216,6 +216,14 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         readonly += _protected_in(root, fs.allow_git_config)
     readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
+    # The kernel runs from the server's install: if that lives under a directory the sandbox
+    # replaces (a checkout in /tmp, say), bind it back read-only.
+    replaced = ["/tmp", *hidden]
+    reallowed += [
+        str(p)
+        for p in paths.server_install
+        if any(_under(str(p), d) for d in replaced) and not any(_under(str(p), w) for w in writable)
+    ]
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
