@@ -169,14 +169,15 @@ def _banner(settings: Settings) -> None:
 
 def render_policy_report(settings: Settings) -> str:
     """The effective policy (srt format) and the exact kernel launch command, without starting anything."""
-    from ipyfence.sandbox.launch import base_env, build_launch, kernel_argv, kernel_paths
+    from ipyfence.launcher import KERNEL_OPTIONS
+    from ipyfence.sandbox.launch import base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 
     runtime_root = Path(tempfile.gettempdir()) / "ipyfence-XXXXXXXX"
     kernel_dir = runtime_root / "k1"
     env = base_env(settings, kernel_dir, "<per-kernel-token>")
     paths = kernel_paths(settings, kernel_dir, runtime_root)
     try:
-        launch = build_launch(settings, paths, env, kernel_argv(kernel_dir / "kernel.json"))
+        launch = build_launch(settings, paths, env, kernel_argv(kernel_dir / "kernel.json"), options=KERNEL_OPTIONS)
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
     report: dict[str, Any] = {
@@ -200,8 +201,12 @@ def render_policy_report(settings: Settings) -> str:
             "placeholders": [*launch.plan.absent_files, *launch.plan.absent_dirs],
             "warnings": list(launch.plan.warnings),
         }
-    shown = [_redact(arg, settings) for arg in launch.argv]
-    return json.dumps(report, indent=2) + "\n\n# kernel launch command\n" + shlex.join(shown)
+    argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv
+    shown = [_redact(arg, settings) for arg in argv]
+    if settings.sandbox:
+        shown[shown.index("ipyfence-guard") + 1] = "<server-pid>"
+    note = "# (when per-kernel cgroups are available, a shell that joins them runs before bwrap)\n"
+    return json.dumps(report, indent=2) + "\n\n# kernel launch command\n" + note * settings.sandbox + shlex.join(shown)
 
 
 def _redact(arg: str, settings: Settings) -> str:

@@ -34,14 +34,16 @@ from ipyfence.runtime import (
     remove_stale_runtime_dirs,
 )
 from ipyfence.sandbox import integrity
+from ipyfence.sandbox.bwrap import LaunchOptions
 from ipyfence.sandbox.cgroups import Cgroups, Events, KernelGroups
-from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths
+from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 from ipyfence.sandbox.plan import MountPlan
 from ipyfence.settings import Settings
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 60.0  # seconds for a kernel to answer its first kernel_info
+KERNEL_OPTIONS = LaunchOptions(die_with_stdin=True)
 
 # Called with (kernel_dir, token) once a kernel process is launched, before it is used (its bridge socket).
 KernelHook = Callable[[Path, str], Awaitable[None]]
@@ -67,6 +69,7 @@ class RunningKernel:
     log_path: Path
     snapshot: integrity.Snapshot | None
     groups: KernelGroups | None = None  # its cgroups, when the host lets us make them
+    lifeline: int | None = None  # write end of the kernel's stdin pipe; closing it kills the sandbox
     started_at: float = field(default_factory=time.monotonic)
     last_events: Events | None = None  # counters read after the previous cell (saves a read per cell)
 
@@ -129,13 +132,17 @@ class KernelFactory:
         env = base_env(self.settings, kernel_dir, token)
         paths = kernel_paths(self.settings, kernel_dir, self.runtime_root)
         # Planning walks the workspace (for .env files): keep that off the event loop.
-        launch = await asyncio.to_thread(build_launch, self.settings, paths, env, kernel_argv(connection_file))
+        launch = await asyncio.to_thread(
+            build_launch, self.settings, paths, env, kernel_argv(connection_file), options=KERNEL_OPTIONS
+        )
         snap = integrity.snapshot(launch.plan, self.settings.workspace) if launch.plan else None
         if launch.plan is not None:
             self._remember_placeholders(launch.plan)
         log_path = self.runtime_root / f"k{n}.log"
         groups = self._groups(f"k{n}")
         argv = groups.wrap(launch.argv) if groups is not None else launch.argv
+        if self.settings.sandbox:
+            argv = parent_guard(argv, os.getpid())
         km = _SandboxedKernelManager(
             transport="ipc",
             ip=str(kernel_dir / "zmq"),
@@ -145,23 +152,31 @@ class KernelFactory:
         km._kernel_spec = KernelSpec(
             argv=argv, display_name="ipyfence", language="python", interrupt_mode="message", env={}
         )
+        # Under bwrap the kernel's stdin is a pipe only we can write (see bwrap.STDIN_WATCH): it
+        # closes when we die, however we die, and the sandbox's watcher then kills everything.
+        lifeline_in, lifeline = os.pipe() if launch.backend == "bwrap" else (subprocess.DEVNULL, None)
         with open(log_path, "ab") as log_file:
             try:
                 await km.start_kernel(
                     env=launch.env,
                     cwd=str(self.settings.workspace),
-                    stdin=subprocess.DEVNULL,
+                    stdin=lifeline_in,
                     stdout=log_file,
                     stderr=log_file,
                 )
             except OSError as exc:
+                if lifeline is not None:
+                    os.close(lifeline)
                 if groups is not None:
                     await asyncio.to_thread(groups.remove)
                 raise KernelError(f"could not start the kernel ({launch.backend}): {exc}") from None
+            finally:
+                if lifeline is not None:
+                    os.close(lifeline_in)
         self.spawned.set()
         kc = km.client()
         kc.start_channels()
-        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path, snap, groups)
+        kernel = RunningKernel(km, kc, kernel_dir, token, launch, log_path, snap, groups, lifeline)
         if self.on_start is not None:
             # After the launch, so slow set-up here (the bridge; on the first kernel, importing
             # the MCP SDK) overlaps with the kernel's own start-up. No cell runs before it ends.
@@ -208,6 +223,10 @@ class KernelFactory:
             await kernel.km.shutdown_kernel(now=True)
         with contextlib.suppress(Exception):
             await kernel.km.cleanup_resources()
+        if kernel.lifeline is not None:  # the watcher inside kills whatever is left in the sandbox
+            with contextlib.suppress(OSError):
+                os.close(kernel.lifeline)
+            kernel.lifeline = None
         if kernel.groups is not None:  # kills anything still in the kernel's groups
             await asyncio.to_thread(kernel.groups.remove)
         if self.on_stop is not None:

@@ -42,9 +42,17 @@ class LaunchOptions:
 
     network: bool = False  # share the host network (only for pip in install_package)
     extra_writable: tuple[str, ...] = ()  # e.g. the package dir and pip cache while installing
+    die_with_stdin: bool = False  # kill everything inside when stdin (a pipe the server holds) closes
 
 
 DEFAULT_OPTIONS = LaunchOptions()
+
+# Inside the sandbox: a watcher waits for EOF on stdin, a pipe whose other end only the server
+# holds, then kills every process in the sandbox's pid namespace. bwrap's --die-with-parent has a
+# window (its inner process sets its death signal only after clone) in which a dying server
+# leaves the sandbox running; the pipe closes however the server dies. The command itself gets
+# /dev/null as stdin. (A background job's stdin is /dev/null in sh, hence the copy on fd 3.)
+STDIN_WATCH = 'exec 3<&0; (read -r _ <&3; kill -KILL -1) & exec "$@" </dev/null 3<&-'
 
 
 def _depth(path: str) -> int:
@@ -114,5 +122,8 @@ def render(
     cmd += ["--tmpfs", "/tmp"]
     for op in _mount_ops(plan, paths, options):
         cmd += op
-    cmd += ["--chdir", str(paths.workspace), "--", *limits_prefix(policy.limits), *argv]
+    cmd += ["--chdir", str(paths.workspace), "--"]
+    if options.die_with_stdin:
+        cmd += ["/bin/sh", "-c", STDIN_WATCH, "ipyfence-watch"]
+    cmd += [*limits_prefix(policy.limits), *argv]
     return cmd

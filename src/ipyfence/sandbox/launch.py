@@ -108,5 +108,17 @@ def build_launch(
     return Launch(argv=cmd, env={"PATH": "/usr/bin:/bin"}, plan=plan, backend="bwrap")
 
 
+# Exits unless the process that spawned us is still our parent: run right after setpriv has
+# set the parent-death signal, it closes the race in which the server dies before bwrap's own
+# --die-with-parent is in place (the orphan would otherwise never get the signal).
+_PARENT_GUARD = 'read -r _ _ _ ppid _ < /proc/$$/stat; [ "$ppid" = "$1" ] || exit 125; shift; exec "$@"'
+
+
+def parent_guard(argv: Sequence[str], parent_pid: int) -> list[str]:
+    """``argv`` that dies with ``parent_pid`` even if it dies while we are still starting."""
+    guard = ["setpriv", "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _PARENT_GUARD, "ipyfence-guard"]
+    return [*guard, str(parent_pid), *argv]
+
+
 def kernel_argv(connection_file: Path) -> list[str]:
     return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)]

@@ -74,6 +74,7 @@ def checks(platform: str = sys.platform) -> list[Check]:
     else:
         found.append(check_bwrap())
         found.append(check_tool("prlimit", "sudo apt-get install util-linux", required=True))
+        found.append(check_tool("setpriv", "sudo apt-get install util-linux", required=True))
     srt_required = platform == "darwin"
     found.append(check_tool("srt", "npm install -g @anthropic-ai/sandbox-runtime", required=srt_required))
     if platform != "darwin":
