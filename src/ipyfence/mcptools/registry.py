@@ -6,10 +6,12 @@ secrets are not written to disk. The tool list is what the bridge allows the ker
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +37,17 @@ class Registry:
         self.servers: dict[str, Registration] = {}
 
     def load(self) -> None:
-        """Read the file; a missing file is empty, a corrupt one is logged and ignored."""
+        """Read the file; a missing file is empty, a corrupt one is set aside (kept) and logged."""
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return
         except (OSError, ValueError) as exc:
-            log.warning("ignoring unreadable MCP server registry %s: %s", self.path, exc)
+            # Keep the bad file for the user to inspect; the next save would otherwise overwrite it.
+            kept = self.path.with_name(f"{self.path.stem}.unreadable-{int(time.time())}{self.path.suffix}")
+            with contextlib.suppress(OSError):
+                self.path.rename(kept)
+            log.warning("ignoring unreadable MCP server registry %s (kept as %s): %s", self.path, kept, exc)
             return
         servers = data.get("servers", {}) if isinstance(data, dict) else {}
         for name, entry in servers.items() if isinstance(servers, dict) else ():
