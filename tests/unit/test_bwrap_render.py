@@ -254,3 +254,18 @@ def test_server_install_under_tmp_is_bound_back_read_only(tmp_path: Path, ws: Pa
     argv = render(resolved_default(ws), plan, paths, {}, ["python"], bwrap="bwrap")
     i = argv.index("--tmpfs")
     assert argv.index(str(venv)) > i and argv[argv.index(str(venv)) - 1] == "--ro-bind"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "name"),
+    [("**/.env", ".env"), ("**/.env.*", ".env.local"), ("**/secret-?.txt", "secret-1.txt"), ("**/[!a]x", "bx"),
+     ("**/[^a]x", "bx"), ("**/*", "anything"), ("sub/**", "deep")],
+)  # fmt: skip
+def test_glob_prefilter_never_misses_a_match(tmp_path: Path, ws: Path, pattern: str, name: str) -> None:
+    """The fast last-component pre-filter must agree with wcmatch, or a secret would stay unmasked."""
+    target = ws / "sub" / "deeper" / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("x")
+    policy = resolve_paths(apply_settings(Policy(), {"filesystem": {"denyRead": [pattern]}}, "t.json"), ws)
+    plan = plan_mounts(policy, sandbox_paths(tmp_path, ws))
+    assert str(target) in plan.masked_files

@@ -7,11 +7,15 @@ Renderers take the resulting frozen plan and stay pure.
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from wcmatch import glob as wcglob
 
@@ -125,7 +129,28 @@ def _glob_base(pattern: str) -> str:
 
 
 def _matches(path: str, patterns: Iterable[str]) -> bool:
-    return any(wcglob.globmatch(path, p, flags=GLOB_FLAGS) if is_glob(p) else path == p for p in patterns)
+    literal, tail, matcher = _compiled(tuple(patterns))
+    if path in literal:
+        return True
+    if matcher is None or (tail is not None and not tail.match(path.rsplit("/", 1)[-1])):
+        return False  # the cheap test on the last component rules out almost every file
+    return bool(matcher.match(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str] | None, Any]:
+    """Literal entries, a last-component pre-filter, and one compiled matcher for the globs.
+
+    The workspace scan calls ``_matches`` for every file, so nothing here may be per call.
+    """
+    globs = [p for p in patterns if is_glob(p)]
+    tails = [p.rsplit("/", 1)[-1] for p in globs]
+    # Only for tails whose syntax fnmatch reads exactly as wcmatch does (no classes, no escapes):
+    # a pre-filter that disagreed would leave a secret unmasked.
+    simple = tails and all("**" not in t and "[" not in t and "\\" not in t for t in tails)
+    tail = re.compile("|".join(fnmatch.translate(t) for t in tails)) if simple else None
+    matcher = wcglob.compile(globs, flags=GLOB_FLAGS) if globs else None
+    return frozenset(p for p in patterns if not is_glob(p)), tail, matcher
 
 
 def _find_globbed(patterns: tuple[str, ...], warnings: list[str]) -> tuple[list[str], list[str]]:
@@ -175,7 +200,10 @@ def _protected_in(root: str, allow_git_config: bool) -> list[str]:
             for name in filenames:
                 if name in names:
                     found.append(os.path.join(dirpath, name))
+            present = set(dirnames).union(filenames)  # listed already: stat only what is there
             for rel in dir_rules:
+                if rel.split("/", 1)[0] not in present:
+                    continue
                 candidate = os.path.join(dirpath, rel)
                 if os.path.lexists(candidate) and not os.path.islink(candidate):
                     found.append(candidate)
