@@ -48,7 +48,11 @@ class LoopbackServer:
             except OSError:
                 continue
             self.accepted += 1
-            conn.close()
+            with conn:
+                self._handle(conn)
+
+    def _handle(self, conn: socket.socket) -> None:
+        """Accept and close: a connection that arrives is all the attack needs."""
 
     def close(self) -> None:
         self._stop.set()
@@ -63,25 +67,19 @@ class ConnectRecorder(LoopbackServer):
         self.requests: list[str] = []
         super().__init__()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data and len(data) < 65536:
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        data += chunk
-                    self.requests.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
-                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                except OSError:
-                    pass
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and len(data) < 65536:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            self.requests.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        except OSError:
+            pass
 
 
 @pytest.fixture
