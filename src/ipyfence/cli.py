@@ -202,16 +202,20 @@ def render_policy_report(settings: Settings) -> str:
             "warnings": list(launch.plan.warnings),
         }
     argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv
-    shown = [_redact(arg, settings) for arg in argv]
+    shown = _redact_env(argv, settings)
     if settings.sandbox:
         shown[shown.index("ipyfence-guard") + 1] = "<server-pid>"
     note = "# (when per-kernel cgroups are available, a shell that joins them runs before bwrap)\n"
     return json.dumps(report, indent=2) + "\n\n# kernel launch command\n" + note * settings.sandbox + shlex.join(shown)
 
 
-def _redact(arg: str, settings: Settings) -> str:
-    """Never print KERNEL_ENV_ values: they are secrets more often than not."""
-    return "<redacted>" if arg in settings.kernel_env.values() and arg else arg
+def _redact_env(argv: list[str], settings: Settings) -> list[str]:
+    """Never print KERNEL_ENV_ values (``--setenv KEY VALUE``): they are secrets more often than not."""
+    shown = list(argv)
+    for i, arg in enumerate(argv[:-2]):
+        if arg == "--setenv" and argv[i + 1] in settings.kernel_env:
+            shown[i + 2] = "<redacted>"
+    return shown
 
 
 @main.command()

@@ -269,3 +269,14 @@ def test_glob_prefilter_never_misses_a_match(tmp_path: Path, ws: Path, pattern: 
     policy = resolve_paths(apply_settings(Policy(), {"filesystem": {"denyRead": [pattern]}}, "t.json"), ws)
     plan = plan_mounts(policy, sandbox_paths(tmp_path, ws))
     assert str(target) in plan.masked_files
+
+
+def test_scan_limit_is_announced_for_masks_and_protection(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ipyfence.sandbox.plan.SCAN_LIMIT", 3)
+    for i in range(10):
+        (ws / f"d{i}").mkdir()
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    assert any("are NOT masked" in w for w in plan.warnings)
+    assert any("deeper protected paths stay writable" in w for w in plan.warnings)

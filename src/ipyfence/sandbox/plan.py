@@ -12,7 +12,7 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,18 +103,35 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def _walk(root: str, limit: int) -> Iterator[tuple[str, list[str], list[str]]]:
-    """os.walk without following symlinks, stopping after ``limit`` entries."""
+@dataclass(frozen=True)
+class _Tree:
+    """One directory tree as os.walk lists it (no symlinks followed), up to SCAN_LIMIT entries."""
+
+    entries: tuple[tuple[str, list[str], list[str]], ...]
+    complete: bool  # False: the limit was hit and deeper entries are missing
+
+
+class _Trees:
+    """Walk each root once per plan: the deny-read and protected-path scans share the listing."""
+
+    def __init__(self) -> None:
+        self._trees: dict[str, _Tree] = {}
+
+    def __call__(self, root: str) -> _Tree:
+        if root not in self._trees:
+            self._trees[root] = _list_tree(root, SCAN_LIMIT)
+        return self._trees[root]
+
+
+def _list_tree(root: str, limit: int) -> _Tree:
+    entries: list[tuple[str, list[str], list[str]]] = []
     seen = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        entries.append((dirpath, dirnames, filenames))
         seen += len(dirnames) + len(filenames)
-        yield dirpath, dirnames, filenames
         if seen > limit:
-            raise _ScanLimit(root)
-
-
-class _ScanLimit(Exception):
-    pass
+            return _Tree(tuple(entries), complete=False)
+    return _Tree(tuple(entries), complete=True)
 
 
 def _glob_base(pattern: str) -> str:
@@ -153,7 +170,7 @@ def _compiled(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str
     return frozenset(p for p in patterns if not is_glob(p)), tail, matcher
 
 
-def _find_globbed(patterns: tuple[str, ...], warnings: list[str]) -> tuple[list[str], list[str]]:
+def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str]) -> tuple[list[str], list[str]]:
     """Expand glob entries by walking their base directories. Returns (files, dirs)."""
     files: list[str] = []
     dirs: list[str] = []
@@ -166,24 +183,28 @@ def _find_globbed(patterns: tuple[str, ...], warnings: list[str]) -> tuple[list[
             if base == "/":
                 warnings.append(f"glob(s) {pats} start at / and are not expanded; anchor them in a directory")
             continue
-        try:
-            for dirpath, dirnames, filenames in _walk(base, SCAN_LIMIT):
-                for name in filenames:
-                    full = os.path.join(dirpath, name)
-                    if _matches(full, pats):
-                        files.append(full)
-                for name in dirnames:
-                    full = os.path.join(dirpath, name)
-                    if _matches(full, pats):
-                        dirs.append(full)
-        except _ScanLimit:
+        tree = trees(base)
+        for dirpath, dirnames, filenames in tree.entries:
+            for name in filenames:
+                full = os.path.join(dirpath, name)
+                if _matches(full, pats):
+                    files.append(full)
+            for name in dirnames:
+                full = os.path.join(dirpath, name)
+                if _matches(full, pats):
+                    dirs.append(full)
+        if not tree.complete:
             warnings.append(
                 f"stopped scanning {base} after {SCAN_LIMIT} entries: files matching {pats} deeper in it are NOT masked"
             )
     return files, dirs
 
 
-def _protected_in(root: str, allow_git_config: bool) -> list[str]:
+# Protected directories are read-only as a whole: nothing inside them needs its own mount.
+_NO_DESCENT = frozenset({".git", ".vscode", ".idea", ".cursor", ".claude"})
+
+
+def _protected_in(root: str, allow_git_config: bool, trees: _Trees) -> list[str]:
     """Existing always-protected paths under a writable root (at any depth, bounded).
 
     By default the whole ``.git`` directory is read-only, not just hooks and config: git
@@ -195,22 +216,20 @@ def _protected_in(root: str, allow_git_config: bool) -> list[str]:
     git_rules = (".git/hooks",) if allow_git_config else (".git",)
     dir_rules = tuple(d for d in PROTECTED_DIRS if not d.startswith(".git")) + git_rules
     found: list[str] = []
-    try:
-        for dirpath, dirnames, filenames in _walk(root, SCAN_LIMIT):
-            for name in filenames:
-                if name in names:
-                    found.append(os.path.join(dirpath, name))
-            present = set(dirnames).union(filenames)  # listed already: stat only what is there
-            for rel in dir_rules:
-                if rel.split("/", 1)[0] not in present:
-                    continue
-                candidate = os.path.join(dirpath, rel)
-                if os.path.lexists(candidate) and not os.path.islink(candidate):
-                    found.append(candidate)
-            # Do not descend into protected dirs or .git internals: they are read-only anyway.
-            dirnames[:] = [d for d in dirnames if d not in {".git", ".vscode", ".idea", ".cursor", ".claude"}]
-    except _ScanLimit:
-        pass  # the warning comes from the deny-read scan of the same tree
+    tree = trees(root)
+    for dirpath, dirnames, filenames in tree.entries:
+        if _NO_DESCENT.intersection(os.path.relpath(dirpath, root).split(os.sep)):
+            continue
+        for name in filenames:
+            if name in names:
+                found.append(os.path.join(dirpath, name))
+        present = set(dirnames).union(filenames)  # listed already: stat only what is there
+        for rel in dir_rules:
+            if rel.split("/", 1)[0] not in present:
+                continue
+            candidate = os.path.join(dirpath, rel)
+            if os.path.lexists(candidate) and not os.path.islink(candidate):
+                found.append(candidate)
     return found
 
 
@@ -226,7 +245,8 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         elif not os.path.exists(p):
             warnings.append(f"allowWrite {p!r} does not exist and was ignored")
 
-    globbed_files, globbed_dirs = _find_globbed(fs.deny_read, warnings)
+    trees = _Trees()
+    globbed_files, globbed_dirs = _find_globbed(fs.deny_read, trees, warnings)
     literal = [p for p in fs.deny_read if not is_glob(p) and os.path.lexists(p)]
     deny_files = globbed_files + [p for p in literal if not os.path.isdir(p)]
     deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
@@ -241,7 +261,9 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
 
     readonly: list[str] = []
     for root in writable:
-        readonly += _protected_in(root, fs.allow_git_config)
+        readonly += _protected_in(root, fs.allow_git_config, trees)
+        if not trees(root).complete:
+            warnings.append(f"stopped scanning {root} after {SCAN_LIMIT} entries: deeper protected paths stay writable")
     readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     # The kernel runs from the server's install: if that lives under a directory the sandbox
