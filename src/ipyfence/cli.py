@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import anyio
 import click
 
+from ipyfence import __version__
 from ipyfence.errors import IpyfenceError
 from ipyfence.policy import available_profiles, to_srt_settings, weakenings
 from ipyfence.settings import Backend, Settings, build_settings, platform_backend
@@ -70,8 +73,18 @@ def _setup_logging(level: str) -> None:
 @click.option("--print-policy", is_flag=True, help="Print the effective policy and kernel launch command, then exit.")
 @click.option("--standby/--no-standby", default=True, show_default=True, help="Keep a warm kernel for fast reset().")
 @click.option(
-    "--log-level", default="INFO", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), show_default=True
+    "--log-level",
+    default="INFO",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+    show_default=True,
 )
+# ipybox's own flags, accepted so that an ipybox configuration starts ipyfence unchanged.
+@click.option("--sandbox-settings", "sandbox_settings", type=click.Path(dir_okay=False, path_type=Path), hidden=True)
+@click.option("--tool-server-host", hidden=True)
+@click.option("--tool-server-port", hidden=True)
+@click.option("--kernel-gateway-host", hidden=True)
+@click.option("--kernel-gateway-port", hidden=True)
+@click.version_option(__version__, "--version", prog_name="ipyfence")
 @click.pass_context
 def main(
     ctx: click.Context,
@@ -83,9 +96,20 @@ def main(
     print_policy: bool,
     standby: bool,
     log_level: str,
+    sandbox_settings: Path | None,
+    **ipybox_only: str | None,
 ) -> None:
     """ipyfence: a stateful IPython kernel for AI agents, served over MCP stdio, inside an OS sandbox."""
     _setup_logging(log_level)
+    for name, value in ipybox_only.items():
+        if value is not None:
+            flag = "--" + name.replace("_", "-")
+            log.warning("%s is an ipybox option that does not apply to ipyfence (no separate servers); ignored", flag)
+    if sandbox_settings is not None:
+        if sandbox_config is not None:
+            raise click.UsageError("give --sandbox-config or ipybox's older --sandbox-settings, not both")
+        log.warning("--sandbox-settings is ipybox's older name; read as --sandbox-config %s", sandbox_settings)
+        sandbox_config = sandbox_settings
     ctx.obj = {
         "workspace": workspace,
         "sandbox": sandbox,
@@ -160,11 +184,28 @@ def _banner(settings: Settings) -> None:
     lines = [
         f"ipyfence serving MCP on stdio — workspace {settings.workspace}",
         f"  sandbox: {backend}; {policy_summary(settings)}",
-        "  connect: claude mcp add ipyfence -- ipyfence --workspace " + shlex.quote(str(settings.workspace)),
+        "  connect: claude mcp add ipyfence -- " + shlex.join(connect_command(settings)),
         "  (this process speaks MCP on stdin/stdout; run `make demo` to see a client drive it)",
     ]
     for line in lines:
         click.echo(line, err=True)
+
+
+def connect_command(settings: Settings) -> list[str]:
+    """This server's command line, absolute and complete, for a client configuration."""
+    exe = shutil.which(sys.argv[0]) or sys.argv[0]
+    argv = [os.path.abspath(exe), "--workspace", str(settings.workspace)]
+    if not settings.sandbox:
+        argv.append("--no-sandbox")
+    if settings.backend != "auto":
+        argv += ["--sandbox-backend", settings.backend]
+    if settings.profile != "default":
+        argv += ["--profile", settings.profile]
+    if settings.sandbox_config is not None:
+        argv += ["--sandbox-config", str(settings.sandbox_config.resolve())]
+    if not settings.standby:
+        argv.append("--no-standby")
+    return argv
 
 
 def render_policy_report(settings: Settings) -> str:

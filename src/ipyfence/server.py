@@ -19,6 +19,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
+from ipyfence import __version__
 from ipyfence.app import App
 from ipyfence.errors import IpyfenceError
 from ipyfence.kernel import ExecutionResult, KernelSession
@@ -63,7 +64,9 @@ def build_server(app: App) -> MCPServer[Any]:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await app.stop()
 
-    mcp: MCPServer[Any] = MCPServer("ipyfence", instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING")
+    mcp: MCPServer[Any] = MCPServer(
+        "ipyfence", version=__version__, instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING"
+    )
 
     @mcp.tool()
     async def execute_ipython_cell(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -14,6 +15,8 @@ from dotenv import dotenv_values
 
 from ipyfence.errors import ConfigError
 from ipyfence.policy import Policy, load_policy, resolve_paths
+
+log = logging.getLogger(__name__)
 
 KERNEL_ENV_PREFIX = "KERNEL_ENV_"
 Backend = Literal["auto", "bwrap", "srt"]
@@ -74,12 +77,24 @@ def split_env(server_env: Mapping[str, str], dotenv: Mapping[str, str]) -> tuple
 
 
 def resolve_workspace(workspace: str | Path) -> Path:
+    """The absolute workspace; a missing one is created (as ipybox does), ``/`` and files are refused."""
     path = Path(workspace).expanduser()
-    if not path.exists():
-        raise ConfigError(f"workspace {str(workspace)!r} does not exist; create it first")
+    if not path.exists() and not path.is_symlink():
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise ConfigError(f"workspace {str(workspace)!r} does not exist and cannot be created: {exc}") from None
+        log.info("created the workspace %s", path.resolve())
     if not path.is_dir():
         raise ConfigError(f"workspace {str(workspace)!r} is not a directory")
-    return path.resolve()
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        # The kernel could write every file on the machine: never a sensible sandbox.
+        raise ConfigError(
+            f"workspace {str(workspace)!r} is the filesystem root {str(resolved)!r}; "
+            "choose a project directory (the kernel may write everything in its workspace)"
+        )
+    return resolved
 
 
 def build_settings(

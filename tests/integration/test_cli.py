@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -151,13 +152,40 @@ def test_bad_sandbox_config_is_one_clear_line(
     assert expected in lines[0], lines[0]
 
 
-def test_missing_workspace_is_a_clean_error(tmp_path: Path, state_dir: Path) -> None:
-    missing = tmp_path / "no-such-dir"
-    proc = run_cli("--workspace", str(missing), env=server_env(state_dir))
+def test_missing_workspace_is_created(tmp_path: Path, state_dir: Path) -> None:
+    """As ipybox does: a workspace that does not exist yet is created, with a log line."""
+    missing = tmp_path / "no-such-dir" / "ws"
+    proc = run_cli("--workspace", str(missing), "--print-policy", env=server_env(state_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert missing.is_dir()
+    assert f"created the workspace {missing}" in proc.stderr
+
+
+def test_root_workspace_is_refused_naming_the_workspace(state_dir: Path) -> None:
+    proc = run_cli("--workspace", "/", "--print-policy", env=server_env(state_dir))
     assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    assert "does not exist" in proc.stderr and str(missing) in proc.stderr
-    assert proc.stdout == ""
+    assert "workspace '/' is the filesystem root" in proc.stderr
+    assert "profile" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version(state_dir: Path) -> None:
+    import ipyfence
+
+    proc = run_cli("--version", env=server_env(state_dir))
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ipyfence, version {ipyfence.__version__}"
+
+
+def test_ipybox_flags_are_accepted_with_a_warning(workspace: Path, state_dir: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "srt.json"
+    cfg.write_text('{"filesystem": {"denyRead": ["~/.ssh"]}}')
+    args = ["--workspace", str(workspace), "--sandbox", "--tool-server-port", "8900", "--kernel-gateway-host"]
+    args += ["localhost", "--sandbox-settings", str(cfg), "--log-level", "CRITICAL", "--print-policy"]
+    proc = run_cli(*args, env=server_env(state_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert os.path.expanduser("~/.ssh") in json.loads(proc.stdout.split("\n\n#")[0])["policy"]["filesystem"]["denyRead"]
+    proc = run_cli(*args[:-3], "--log-level", "warning", "--print-policy", env=server_env(state_dir))
+    assert "--tool-server-port is an ipybox option that does not apply" in proc.stderr
+    assert "--sandbox-settings is ipybox's older name" in proc.stderr
 
 
 def test_workspace_that_is_a_file_is_a_clean_error(tmp_path: Path, state_dir: Path) -> None:
@@ -230,4 +258,8 @@ def test_no_sandbox_warns_on_stderr(workspace: Path, state_dir: Path) -> None:
     """--no-sandbox is explicit and loud; with stdin closed the server exits cleanly."""
     proc = run_cli("--workspace", str(workspace), "--no-sandbox", env=server_env(state_dir))
     assert "UNCONFINED" in proc.stderr
+    # The banner's connect line is runnable as printed: absolute executable, every flag.
+    connect = next(line for line in proc.stderr.splitlines() if "connect: claude mcp add" in line)
+    command = shlex.split(connect.split(" -- ", 1)[1])
+    assert command == [os.path.abspath(IPYFENCE), "--workspace", str(workspace), "--no-sandbox"]
     assert "Traceback" not in proc.stderr
