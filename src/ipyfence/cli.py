@@ -88,6 +88,7 @@ def _setup_logging(level: str) -> None:
 @click.pass_context
 def main(
     ctx: click.Context,
+    /,
     workspace: str,
     sandbox: bool,
     sandbox_config: Path | None,
