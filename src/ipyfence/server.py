@@ -23,6 +23,7 @@ from ipyfence import __version__
 from ipyfence.app import App
 from ipyfence.errors import IpyfenceError
 from ipyfence.kernel import ExecutionResult, KernelSession
+from ipyfence.toolargs import StrictArgsServer
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def build_server(app: App) -> MCPServer[Any]:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await app.stop()
 
-    mcp: MCPServer[Any] = MCPServer(
+    mcp: MCPServer[Any] = StrictArgsServer(
         "ipyfence", version=__version__, instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING"
     )
 
