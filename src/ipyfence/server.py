@@ -19,7 +19,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
-from ipyfence import __version__
+from ipyfence import __version__, tooldocs
 from ipyfence.app import App
 from ipyfence.errors import IpyfenceError
 from ipyfence.kernel import ExecutionResult, KernelSession
@@ -69,7 +69,7 @@ def build_server(app: App) -> MCPServer[Any]:
         "ipyfence", version=__version__, instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING"
     )
 
-    @mcp.tool()
+    @mcp.tool(description=tooldocs.EXECUTE_IPYTHON_CELL)
     async def execute_ipython_cell(
         code: Annotated[str, Field(description="Python code to execute")],
         ctx: Context,
@@ -103,7 +103,7 @@ def build_server(app: App) -> MCPServer[Any]:
             raise ToolError(str(exc)) from None
         return result_to_mcp(result)
 
-    @mcp.tool()
+    @mcp.tool(description=tooldocs.REGISTER_MCP_SERVER)
     async def register_mcp_server(
         server_name: Annotated[str, Field(description="Application-defined MCP server name (valid Python identifier)")],
         server_params: Annotated[
@@ -119,7 +119,7 @@ def build_server(app: App) -> MCPServer[Any]:
             raise ToolError(str(exc)) from None
         return "\n".join(modules)
 
-    @mcp.tool()
+    @mcp.tool(description=tooldocs.INSTALL_PACKAGE)
     async def install_package(
         package_name: Annotated[
             str, Field(description="Package spec (e.g., requests, numpy>=1.20.0, or git+https://...)")
@@ -132,7 +132,7 @@ def build_server(app: App) -> MCPServer[Any]:
         except IpyfenceError as exc:
             raise ToolError(str(exc)) from None
 
-    @mcp.tool()
+    @mcp.tool(description=tooldocs.RESET)
     async def reset() -> str:
         """Creates a new kernel, clearing all variables and imports. Installed packages and generated mcptools/
         persist."""
