@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from ipyfence import limitnotes
+from ipyfence import limitnotes, refusalnotes
 from ipyfence.outputs import CellOutput
 
 if TYPE_CHECKING:
@@ -81,6 +81,16 @@ class Execution:
             self.limits, self.out.error_name, self.out.error_value, self.events_before, after
         ):
             self.out.add_note(note)
+        settings = self.session.settings
+        explained = (
+            refusalnotes.write_refusal(
+                self.out.error_value, self.kernel.launch.plan, settings.policy, str(settings.workspace)
+            ),
+            refusalnotes.ipybox_leftover(self.out.error_name, self.out.error_value),
+        )
+        for explanation in explained:
+            if explanation is not None:
+                self.out.add_note(explanation)
         return ExecutionResult(self.out, error=self.out.error_name is not None)
 
     async def _collect_until_idle(self, deadline: float) -> bool:
