@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 from collections.abc import Awaitable
 from typing import Any
 
-from ipyfence import limitnotes
+from ipyfence import limitnotes, nsmask
 from ipyfence.errors import KernelError
 from ipyfence.execution import Execution, ExecutionResult, ProgressFn, integrity_problem
 from ipyfence.launcher import START_TIMEOUT, KernelFactory, KernelHook, RunningKernel, StopHook
+from ipyfence.sandbox import integrity
 from ipyfence.sandbox.cgroups import Events
+from ipyfence.sandbox.launch import kernel_paths
+from ipyfence.sandbox.plan import plan_mounts
 from ipyfence.settings import Settings
 
 __all__ = ["ExecutionResult", "KernelSession", "ProgressFn"]
@@ -34,6 +39,7 @@ class KernelSession:
         self._background: set[asyncio.Task[Any]] = set()
         self._watchdog: asyncio.Task[None] | None = None
         self._tripped: str | None = None  # why the watchdog stopped the kernel, told on the next call
+        self._pending_masked: str | None = None  # what the watchdog masked live, told on the next call
 
     def take_tripped(self) -> str | None:
         """Why the watchdog stopped the kernel since the last call (told once), if it did."""
@@ -120,7 +126,14 @@ class KernelSession:
         tripped = self.take_tripped()
         if tripped is not None:
             notes.append(tripped)
+        if self._pending_masked is not None:
+            notes.append(self._pending_masked)
+            self._pending_masked = None
         kernel = self._kernel
+        if kernel is not None:
+            masked = await self._mask_live(kernel)
+            if masked:
+                notes.append(masked)
         problem = integrity_problem(kernel) if kernel is not None else None
         if problem is not None:
             notes.append(f"[ipyfence: {problem}; the kernel was replaced before this cell. Variables were lost.]")
@@ -138,20 +151,60 @@ class KernelSession:
             await self.replace_kernel()
         return notes
 
+    async def _mask_live(self, kernel: RunningKernel) -> str | None:
+        """Mask, inside the running sandbox, .env files that appeared at the workspace root and masked
+        files a host rename replaced; the kernel keeps its state. Whatever cannot be masked this way is
+        left for ``integrity_problem``, which then replaces the kernel (fail closed)."""
+        snap = kernel.snapshot
+        plan = kernel.launch.plan
+        process = getattr(kernel.km.provisioner, "process", None)
+        if snap is None or plan is None or process is None or kernel.launch.backend != "bwrap":
+            return None
+        new = kernel.unmasked_env_files()
+        replaced = [p for p in integrity.replaced_paths(snap) if p in plan.masked_files]
+        if not new and not replaced:
+            return None
+        # Something changed: a fresh scan also finds secret files created deeper since the launch.
+        paths = kernel_paths(self.settings, kernel.kernel_dir, self.factory.runtime_root)
+        fresh = await asyncio.to_thread(plan_mounts, self.settings.policy, paths)
+        deeper = [p for p in fresh.masked_files if p not in plan.masked_files and p not in new]
+        done = await nsmask.mask_files(process.pid, [*new, *replaced, *deeper])
+        if not done:
+            return None
+        inodes = [entry for entry in snap.inodes if entry[0] not in done]
+        for path in sorted(done):
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                inodes.append((path, st.st_dev, st.st_ino))
+        names = snap.root_env_names | {os.path.basename(p) for p in done if os.path.dirname(p) == snap.workspace}
+        kernel.snapshot = dataclasses.replace(snap, inodes=tuple(inodes), root_env_names=frozenset(names))
+        log.info("masked in the running kernel: %s", ", ".join(sorted(done)))
+        return (
+            f"[ipyfence: {', '.join(sorted(done))} appeared or changed on the host and was masked in the running "
+            "kernel. Variables are kept.]"
+        )
+
     def _start_watchdog(self) -> None:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch_masks())
 
     async def _watch_masks(self) -> None:
-        """Kill the kernel the moment a host rename detaches one of its masks.
+        """Mask new or replaced secret files the moment the host makes them; stop the kernel when that
+        is not possible (a protected path was replaced: a mount cannot be rebuilt from outside).
 
         Between calls a background thread in the kernel could otherwise read the unmasked file.
         """
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             kernel = self._kernel
-            why = kernel.masks_broken() if kernel is not None else None
-            if kernel is None or why is None or self._kernel is not kernel:
+            if kernel is None or self.lock.locked():
+                continue  # a call holds the lock: it checks and repairs before and after its cell
+            if kernel.snapshot is not None and (kernel.unmasked_env_files() or kernel.masks_broken()):
+                async with self.lock:
+                    if self._kernel is kernel:
+                        self._pending_masked = await self._mask_live(kernel) or self._pending_masked
+            why = kernel.masks_broken() if self._kernel is kernel else None
+            if why is None:
                 continue
             log.warning("stopping the kernel: %s", why)
             self._tripped = f"[ipyfence: the kernel was stopped because {why}. Variables were lost.]"

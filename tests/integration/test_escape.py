@@ -462,33 +462,69 @@ def test_nothing_left_on_the_host() -> None:
 
 @pytest.mark.anyio
 async def test_env_created_at_root_after_kernel_start_is_masked(make_client: Any, workspace: Path) -> None:
-    """A new root .env makes ipyfence replace the kernel (with a fresh scan) before the next cell."""
+    """A new root .env is masked inside the running kernel (state kept); a fresh scan masks deeper ones too."""
     require_bwrap()
     async with make_client() as client:
-        await run_cell(client, "x = 1")
+        await run_cell(client, "x = 41")
         (workspace / ".env").write_text(f"LATE=late-{RUN_ID}\n")
         (workspace / "new").mkdir()
         (workspace / "new" / ".env.production").write_text(f"PROD=prod-{RUN_ID}\n")
-        text, _ = await run_cell(client, "print(open('.env').read())")
-        assert RUN_ID not in text and "appeared after the kernel started" in text and "Variables were lost" in text
-        text, _ = await run_cell(client, "print(open('new/.env.production').read())")
-        assert RUN_ID not in text  # the fresh kernel's scan found the deeper one too
+        text, _ = await run_cell(client, "print(repr(open('.env').read()), x + 1)")
+        assert RUN_ID not in text and "'' 42" in text, text
+        assert "masked in the running kernel" in text and "Variables are kept" in text
+        text, _ = await run_cell(client, "print(repr(open('new/.env.production').read()))")
+        assert RUN_ID not in text and "''" in text, text
 
 
 @pytest.mark.anyio
-async def test_env_replaced_by_rename_on_host_stops_the_kernel(make_client: Any, workspace: Path) -> None:
-    """A host rename() over a masked .env detaches its mount; the kernel must not get to read it."""
+async def test_env_replaced_by_rename_on_host_is_masked_again_by_the_watchdog(
+    make_client: Any, workspace: Path
+) -> None:
+    """A host rename() over a masked .env detaches its mount. The watchdog masks the new file in the
+    running kernel without waiting for the next call: a background thread in the kernel, reading the
+    file in a loop, sees the mask come back while no call runs."""
     require_bwrap()
     (workspace / ".env").write_text("OLD=old\n")
+    seen = workspace / "seen.txt"
     async with make_client() as client:
-        await run_cell(client, "x = 1")
+        await run_cell(
+            client,
+            "import threading, time\n"
+            "x = 41\n"
+            "def read():\n"
+            "    try:\n"
+            "        return 'SECRET' if 'new-' in open('.env').read() else 'masked'\n"
+            "    except OSError:\n"
+            "        return 'masked'\n"
+            "def watch():\n"
+            "    for _ in range(60000):\n"
+            "        open('seen.txt', 'w').write(read() + ' ' + str(_))\n"
+            "        time.sleep(0.005)\n"
+            "threading.Thread(target=watch, daemon=True).start()\n",
+        )
         tmp = workspace / ".env.tmp"
         tmp.write_text(f"NEW=new-{RUN_ID}\n")
         os.rename(tmp, workspace / ".env")  # what editors' atomic save and `dotenv set-key` do
-        await anyio.sleep(1.0)  # the watchdog polls every 250 ms
-        text, is_error = await run_cell(client, "print(open('.env').read())")
-        assert RUN_ID not in text and is_error
-        assert "was replaced on the host" in text and "Variables were lost" in text
+        renamed_at = -1
+        for _ in range(100_000):  # the thread rewrites the file: retry a torn read
+            if renamed_at >= 0:
+                break
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                renamed_at = int(seen.read_text().rsplit(" ", 1)[1])
+        # Wait (no call in flight) for the thread to report two fresh reads of the masked file after the rename.
+        marks: list[int] = []
+        for _ in range(2000):
+            await anyio.sleep(0.01)
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                content, count = seen.read_text().rsplit(" ", 1)
+                if content == "masked":
+                    marks.append(int(count))
+                    if len({m for m in marks if m > renamed_at}) >= 2:
+                        break
+        assert len({m for m in marks if m > renamed_at}) >= 2, "the kernel never saw the mask again"
+        text, is_error = await run_cell(client, "print(repr(open('.env').read()), x + 1)")
+        assert RUN_ID not in text and not is_error and "'' 42" in text, text
+        assert "masked in the running kernel" in text
 
 
 @pytest.mark.xfail(strict=True, reason="masks are computed at kernel start: a deep .env created later is readable")
