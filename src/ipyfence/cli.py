@@ -134,12 +134,17 @@ def _serve(settings: Settings) -> None:
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
     _banner(settings)
+    from ipyfence.statedirs import mark_running
+
+    marker = mark_running(settings.state_dir, settings.workspace)
     try:
         anyio.run(_serve_async, settings)
     except KeyboardInterrupt:
         pass
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 async def _serve_async(settings: Settings) -> None:
@@ -276,6 +281,34 @@ def doctor(ctx: click.Context) -> None:
     click.echo(f"profiles: {', '.join(available_profiles())}")
     if failed:
         raise click.ClickException("some required prerequisites are missing (see above)")
+
+
+@main.command("state")
+@click.option("--remove", "remove", metavar="WORKSPACE", help="Delete this workspace's state (path or state dir name).")
+def state(remove: str | None) -> None:
+    """List per-workspace state (installed packages, registered servers, size), or remove one."""
+    from ipyfence.settings import default_state_root
+    from ipyfence.statedirs import list_states, remove_state
+
+    root = default_state_root(os.environ)
+    if remove is not None:
+        try:
+            gone = remove_state(root, remove)
+        except IpyfenceError as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"removed {gone.directory} ({gone.workspace or 'workspace unknown'})")
+        return
+    states = list_states(root)
+    click.echo(f"state dir: {root}")
+    if not states:
+        click.echo("  (no workspaces yet)")
+    for info in states:
+        running = f", running (pid {', '.join(map(str, info.running))})" if info.running else ""
+        click.echo(
+            f"  {info.workspace or '(workspace unknown)'}\n"
+            f"    {info.directory.name}: {info.packages} package(s), {info.servers} MCP server(s), "
+            f"{info.size_bytes / 1e6:.1f} MB{running}"
+        )
 
 
 @main.command("profiles")

@@ -263,3 +263,21 @@ def test_no_sandbox_warns_on_stderr(workspace: Path, state_dir: Path) -> None:
     command = shlex.split(connect.split(" -- ", 1)[1])
     assert command == [os.path.abspath(IPYFENCE), "--workspace", str(workspace), "--no-sandbox"]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.anyio
+async def test_state_lists_and_removes_a_workspace(workspace: Path, state_dir: Path) -> None:
+    """`ipyfence state` shows where each workspace's state lives; a running server's state is not removed."""
+    from tests.conftest import ipyfence_client, run_cell
+
+    async with ipyfence_client(workspace, state_dir, "--no-sandbox") as client:
+        await run_cell(client, "1")
+        listing = run_cli("state", env=server_env(state_dir))
+        assert listing.returncode == 0 and str(workspace) in listing.stdout and "running (pid" in listing.stdout
+        busy = run_cli("state", "--remove", str(workspace), env=server_env(state_dir))
+        assert busy.returncode != 0 and "stop it first" in busy.stderr
+    gone = run_cli("state", "--remove", str(workspace), env=server_env(state_dir))
+    assert gone.returncode == 0, gone.stderr
+    assert str(workspace) not in run_cli("state", env=server_env(state_dir)).stdout
+    unknown = run_cli("state", "--remove", "/no/such/workspace", env=server_env(state_dir))
+    assert unknown.returncode != 0 and "no ipyfence state for" in unknown.stderr and "Traceback" not in unknown.stderr
