@@ -14,6 +14,7 @@ COLUMNS = [
     ("srt", "ipyf. srt"),
     ("ipybox", "ipybox 0.9.2"),
     ("floor", "floor"),
+    ("baseline", "baseline"),
 ]
 METRICS = [
     ("cold_start", "cold start: spawn→init→1st cell", "ms"),
@@ -108,11 +109,12 @@ def _cell(results: Results, system: str, metric: str, errors: dict[str, str]) ->
 def render(results: Results) -> tuple[str, list[dict[str, object]]]:
     targets = _targets()
     errors: dict[str, str] = {}
-    header = ["metric", "unit", *[label for _, label in COLUMNS], "÷ipybox", "÷floor", "target", "status"]
+    columns = [(key, label) for key, label in COLUMNS if key != "baseline" or key in results]
+    header = ["metric", "unit", *[label for _, label in columns], "÷ipybox", "÷floor", "target", "status"]
     lines: list[list[str]] = []
     verdicts: list[dict[str, object]] = []
     for metric, label, unit in METRICS:
-        cells = [_cell(results, key, metric, errors) for key, _ in COLUMNS]
+        cells = [_cell(results, key, metric, errors) for key, _ in columns]
         ours = value(results, "ipyfence", metric)
         vs_box = _ratio(ours, value(results, "ipybox", metric))
         vs_floor = _ratio(ours, value(results, "floor", metric))
@@ -130,7 +132,7 @@ def render(results: Results) -> tuple[str, list[dict[str, object]]]:
                 lines.append([label, unit, *cells, _fmt_ratio(vs_box), _fmt_ratio(vs_floor), tgt, status])
                 first = False
             else:
-                lines.append(["", "", *[""] * len(COLUMNS), "", "", tgt, status])
+                lines.append(["", "", *[""] * len(columns), "", "", tgt, status])
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
     out = [_join(header, widths), _join(["-" * w for w in widths], widths)]
     out += [_join(r, widths) for r in lines]

@@ -27,7 +27,8 @@ from pyindex import fetch_wheel, serve_index
 from stats import Row
 from systems import BENCH_DIR, System, ensure_ipybox, ipyfence_systems
 
-ALL = ["ipyfence", "nosandbox", "srt", "ipybox", "floor"]
+ALL = ["ipyfence", "nosandbox", "srt", "ipybox", "floor", "baseline"]
+DEFAULT = [s for s in ALL if s != "baseline"]  # baseline only when asked for (BENCH_BASELINE_IPYFENCE)
 PACKAGE = "tabulate"
 
 
@@ -73,7 +74,7 @@ async def _run(cfg: Config, wanted: list[str], tmp: Path) -> report.Results:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="few repetitions (same as BENCH_QUICK=1)")
-    parser.add_argument("--systems", default=",".join(ALL), help="comma-separated subset of " + ",".join(ALL))
+    parser.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated subset of " + ",".join(ALL))
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results.json")
     args = parser.parse_args()
     cfg = Config.from_env(quick=args.quick)

@@ -39,13 +39,23 @@ def server_env(pip_env: dict[str, str], state_dir: Path, errlog: Path, extra: di
     return env
 
 
+# An earlier ipyfence build (its own venv's `ipyfence`), measured in the same run for before/after figures.
+BASELINE_ENV = "BENCH_BASELINE_IPYFENCE"
+
+
 def ipyfence_systems() -> list[System]:
     common = [IPYFENCE, "--log-level", "WARNING"]
-    return [
+    systems = [
         System("ipyfence", "ipyfence (bwrap)", [*common, "--sandbox-backend", "bwrap"]),
         System("nosandbox", "ipyfence --no-sandbox", [*common, "--no-sandbox"]),
         System("srt", "ipyfence (srt)", [*common, "--sandbox-backend", "srt"]),
     ]
+    baseline = os.environ.get(BASELINE_ENV)
+    base = System("baseline", "ipyfence baseline (bwrap)", [baseline or "", "--log-level", "WARNING"])
+    base.argv += ["--sandbox-backend", "bwrap"]
+    if not baseline or not os.access(baseline, os.X_OK):
+        base.error = f"set {BASELINE_ENV} to an earlier build's ipyfence executable"
+    return [*systems, base]
 
 
 def ensure_ipybox(log: object = None) -> System:
