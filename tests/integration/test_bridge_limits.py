@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from ipyfence.mcptools import protocol
 from tests.conftest import require_bwrap, require_srt, run_cell, text_of
 from tests.integration import procs
 
@@ -112,7 +113,6 @@ async def test_silent_connections_and_wrong_tokens_do_not_stop_real_calls(make_c
 silent = [raw() for _ in range(50)]
 from mcptools.peer import add
 print("CALL", add.run(add.Params(a=2, b=40)).result)
-import select
 closed = 0
 for s in silent:
     s.setblocking(False)
@@ -127,6 +127,8 @@ print("SMUGGLED", lines(smuggled))
 """,
         )
         assert "CALL 42" in out, out
+        # the oldest silent connections were dropped to make room (at most MAX_PENDING wait)
+        assert int(out.split("SILENT CLOSED ")[1].split()[0]) >= 50 - protocol.MAX_PENDING, out
         assert "wrong or missing token" in out.split("BAD", 1)[1], out
         assert "wrong or missing token" in out.split("SMUGGLED", 1)[1], out
 

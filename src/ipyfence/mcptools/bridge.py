@@ -132,6 +132,8 @@ def bind_in_place(path: Path) -> socket.socket:
     finally:
         os.close(kernel_dir_fd)
         with contextlib.suppress(OSError):
+            os.unlink(os.path.join(staging, path.name))  # only if the rename did not happen
+        with contextlib.suppress(OSError):
             os.rmdir(staging)
     return sock
 
@@ -230,7 +232,7 @@ class KernelBridge:
         except BridgeError as exc:
             return protocol.failed(str(exc))
         except Exception as exc:  # a bug must not kill the connection handler silently
-            log.exception("bridge call %s.%s failed", server, tool)
+            log.exception("bridge call %r.%r failed", server, tool)  # %r: names come from the kernel
             return protocol.failed(f"internal bridge error: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
