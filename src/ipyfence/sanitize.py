@@ -18,8 +18,9 @@ import re
 # PM (ESC ^ / U+009E), APC (ESC _ / U+009F), ended by BEL or ST (ESC \ / U+009C). The body may
 # not cross a newline: an unterminated OSC could otherwise swallow the lines after it, including
 # ipyfence's own notes, which always start on a new line. A body that does is left as visible
-# text once its introducer is removed below.
-_STRING = r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)"
+# text once its introducer is removed below. The body also stops at any ESC or C1 character,
+# so a failed match never scans past the next introducer: cleaning stays linear in the input.
+_STRING = r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x80-\x9f\n]*(?:\x07|\x1b\\|\x9c)"
 # CSI (ESC [ / U+009B): parameter bytes, intermediate bytes, one final byte.
 _CSI = r"(?:\x1b\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]"
 # Any other escape sequence: ESC, intermediate bytes, one final byte (ESC c, ESC 7, ESC ( B, ...).
