@@ -98,10 +98,9 @@ async def test_a_100mb_line_without_hello_is_cut_off(make_client: Any, workspace
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["bwrap", "srt"])
-async def test_silent_connections_and_wrong_tokens_do_not_stop_real_calls(make_client: Any, mode: str) -> None:
-    require(mode)
-    async with make_client(*MODES[mode], env={"PEER_SECRET": "x"}) as client:
+async def test_silent_connections_and_wrong_tokens_do_not_stop_real_calls(make_client: Any) -> None:
+    require_bwrap()  # host-side rules: the srt and --no-sandbox runs of the 100 MB test cover those modes
+    async with make_client(env={"PEER_SECRET": "x"}) as client:
         result = await client.call_tool(
             "register_mcp_server", {"server_name": "peer", "server_params": {"command": sys.executable, "args": [PEER]}}
         )
