@@ -138,7 +138,7 @@ class CellOutput:
             return None
         return (
             f"[ipyfence: {self.images_dropped} image(s) ({self.dropped_bytes} bytes) were not returned: "
-            f"a cell returns at most {MAX_IMAGES} images and {MAX_IMAGE_BYTES // (1024 * 1024)} MB of image data. "
+            f"a cell returns at most {MAX_IMAGES} images and {MAX_IMAGE_BYTES // (1024 * 1024)} MiB of image data. "
             "Save figures to files in the workspace, or display fewer or smaller ones per cell.]"
         )
 
@@ -148,7 +148,8 @@ class CellOutput:
         note = self.image_note()
         if note is None:
             return text
-        return f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{note}\n"
+        separator = "" if not text or text.endswith("\n") else "\n"
+        return f"{text}{separator}{note}\n"
 
     def add_note(self, note: str) -> None:
         self.text.write(("\n" if self.text.total else "") + note + "\n")
