@@ -151,12 +151,19 @@ def _endpoint() -> tuple[str, str]:
     return path, os.environ.get(TOKEN_ENV, "")
 
 
-def preconnect(timeout: float) -> None:
+def preconnect(timeout: float, *, path: str | None = None, token: str | None = None) -> None:
     """Open the one process-wide bridge connection now, waiting up to ``timeout`` seconds for
     the host's socket (the host attaches it while the kernel boots). Every later tool call in
-    this process, from any thread, shares it; no other socket is created."""
+    this process, from any thread, shares it; no other socket is created.
+
+    ``path`` and ``token`` default to ``$IPYFENCE_BRIDGE_SOCKET`` and ``$IPYFENCE_BRIDGE_TOKEN``
+    (a start-up step that gets the token another way, e.g. from a file descriptor, passes it).
+    """
     global _shared, _shared_pid
-    path, token = _endpoint()
+    if path is None:
+        path = _endpoint()[0]
+    if token is None:
+        token = os.environ.get(TOKEN_ENV, "")
     deadline = time.monotonic() + timeout
     while True:
         try:
