@@ -6,18 +6,22 @@ the last ones (how it ended). Whatever is dropped in between is counted and anno
 
 from __future__ import annotations
 
-import base64
 import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
-MAX_IMAGES = 20  # per cell; more images are counted, not returned
+from ipyfence.sanitize import clean
 
-
-def strip_ansi(text: str) -> str:
-    return ANSI.sub("", text)
+# Images are held in the server until the cell ends and then sent in one tool result, so they
+# are bounded like text: a cell that displays thousands of large figures must not grow the
+# server, nor send the client a result it cannot take. Past either bound, images are counted
+# and announced in the text, never returned.
+MAX_IMAGES = 20  # per cell
+MAX_IMAGE_BYTES = 8 * 1024 * 1024  # decoded image data per cell, all images together
+# Standard base64 (what Jupyter sends); checked without decoding, so a hostile payload is
+# never decoded and nothing but base64 text reaches the client as image data.
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 
 
 class HeadTail:
@@ -75,7 +79,9 @@ class CellOutput:
     limit: int
     text: HeadTail = field(init=False)
     images: list[Image] = field(default_factory=list)
+    image_bytes: int = 0  # decoded size of ``images``
     images_dropped: int = 0
+    dropped_bytes: int = 0
     error_name: str | None = None
     error_value: str | None = None
     status: str | None = None  # busy/idle as last seen on iopub
@@ -93,9 +99,13 @@ class CellOutput:
         elif kind == "error":
             self.error_name = content.get("ename", "Error")
             self.error_value = content.get("evalue", "")
-            self.text.write(strip_ansi("\n".join(content.get("traceback", []))) + "\n")
+            # Cleaned here too (the boundary cleans again) so colour codes do not eat max_output_chars.
+            self.text.write(clean("\n".join(content.get("traceback", []))) + "\n")
         elif kind == "clear_output":
+            # Jupyter clears every output, images too: an animation loop keeps only its last frame.
             self.text.clear()
+            self.images.clear()
+            self.image_bytes = 0
         elif kind == "status":
             self.status = content.get("execution_state")
 
@@ -106,17 +116,40 @@ class CellOutput:
                 return
         plain = data.get("text/plain")
         if plain is not None:
-            self.text.write(strip_ansi(str(plain)) + "\n")
+            self.text.write(clean(str(plain)) + "\n")
 
     def _image(self, mime: str, payload: Any) -> None:
-        raw = str(payload).replace("\n", "")
-        if len(self.images) >= MAX_IMAGES:
-            self.images_dropped += 1
-            self.text.write(f"[{mime} not returned: more than {MAX_IMAGES} images in one cell]\n")
+        raw = payload.replace("\n", "") if isinstance(payload, str) else ""
+        if not raw or len(raw) % 4 or not _BASE64.fullmatch(raw):
+            self.text.write(f"[{mime} not returned: its data is not base64]\n")
             return
-        size = len(base64.b64decode(raw, validate=False)) if raw else 0
+        size = len(raw) // 4 * 3 - (len(raw) - len(raw.rstrip("=")))  # decoded size, without decoding
+        if len(self.images) >= MAX_IMAGES or self.image_bytes + size > MAX_IMAGE_BYTES:
+            self.images_dropped += 1
+            self.dropped_bytes += size
+            self.text.write(f"[{mime}, {size} bytes, not returned: image limit reached]\n")
+            return
         self.images.append(Image(mime, raw))
+        self.image_bytes += size
         self.text.write(f"[{mime} image {len(self.images)}, {size} bytes, returned as image content]\n")
+
+    def image_note(self) -> str | None:
+        if not self.images_dropped:
+            return None
+        return (
+            f"[ipyfence: {self.images_dropped} image(s) ({self.dropped_bytes} bytes) were not returned: "
+            f"a cell returns at most {MAX_IMAGES} images and {MAX_IMAGE_BYTES // (1024 * 1024)} MiB of image data. "
+            "Save figures to files in the workspace, or display fewer or smaller ones per cell.]"
+        )
+
+    def render(self) -> str:
+        """The text part of the tool result: output, notes, and what happened to images."""
+        text = self.text.render()
+        note = self.image_note()
+        if note is None:
+            return text
+        separator = "" if not text or text.endswith("\n") else "\n"
+        return f"{text}{separator}{note}\n"
 
     def add_note(self, note: str) -> None:
         self.text.write(("\n" if self.text.total else "") + note + "\n")
@@ -126,4 +159,4 @@ class CellOutput:
         for payload in payloads:
             if payload.get("source") == "page":
                 plain = payload.get("data", {}).get("text/plain", "")
-                self.text.write(strip_ansi(str(plain)) + "\n")
+                self.text.write(clean(str(plain)) + "\n")

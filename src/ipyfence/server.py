@@ -16,10 +16,10 @@ from typing import Annotated, Any
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent
+from mcp_types import CallToolResult, ContentBlock, ImageContent, InputRequiredResult, TextContent
 from pydantic import Field
 
-from ipyfence import __version__, tooldocs
+from ipyfence import __version__, sanitize, tooldocs
 from ipyfence.app import App
 from ipyfence.errors import IpyfenceError
 from ipyfence.kernel import ExecutionResult, KernelSession
@@ -40,12 +40,55 @@ execute_ipython_cell calls until reset(). Use register_mcp_server to generate a 
 
 def result_to_mcp(result: ExecutionResult) -> CallToolResult:
     out = result.output
-    text = out.text.render()
+    text = out.render()
     if not text.strip() and not out.images:
         text = "" if not result.error else "(no output)"
     content: list[ContentBlock] = [TextContent(type="text", text=text)]
     content += [ImageContent(type="image", data=img.data, mime_type=img.mime) for img in out.images]
     return CallToolResult(content=content, is_error=result.error)
+
+
+def _clean_value(value: Any) -> Any:
+    """Structured content with every string cleaned (a str tool result is also sent this way)."""
+    if isinstance(value, str):
+        return sanitize.clean(value)
+    if isinstance(value, list):
+        return [_clean_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _clean_value(v) for k, v in value.items()}
+    return value
+
+
+def clean_result(result: CallToolResult) -> CallToolResult:
+    """The one place tool results are made safe for a terminal: every text block, structured content."""
+    content = [
+        block.model_copy(update={"text": sanitize.clean(block.text)}) if isinstance(block, TextContent) else block
+        for block in result.content
+    ]
+    update: dict[str, Any] = {"content": content}
+    if result.structured_content is not None:
+        update["structured_content"] = _clean_value(result.structured_content)
+    return result.model_copy(update=update)
+
+
+class CleanMCPServer(StrictArgsServer):
+    """An MCPServer whose every tool result and tool error text has no terminal control sequences
+    (and whose tools refuse unknown arguments, see ``toolargs``).
+
+    Cleaning here, where results leave the tools, covers the four tools, argument errors and
+    whatever a future tool returns; a ToolError message (pip output, a server's stderr, a
+    kernel's exception text) is cleaned in place so its type and cause stay as the SDK expects.
+    """
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        try:
+            result = await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            exc.args = (sanitize.clean(str(exc)),)
+            raise
+        return clean_result(result) if isinstance(result, CallToolResult) else result
 
 
 async def _ready(app: App) -> KernelSession:
@@ -65,7 +108,7 @@ def build_server(app: App) -> MCPServer[Any]:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await app.stop()
 
-    mcp: MCPServer[Any] = StrictArgsServer(
+    mcp: MCPServer[Any] = CleanMCPServer(
         "ipyfence", version=__version__, instructions=INSTRUCTIONS, lifespan=lifespan, log_level="WARNING"
     )
 
@@ -95,7 +138,8 @@ def build_server(app: App) -> MCPServer[Any]:
         session = await _ready(app)
 
         async def progress(elapsed: float, last_line: str) -> None:
-            await ctx.report_progress(elapsed, None, f"running for {elapsed:.0f}s; last output: {last_line[:200]}")
+            last = sanitize.clean(last_line)[:200]  # progress messages reach the client's terminal too
+            await ctx.report_progress(elapsed, None, f"running for {elapsed:.0f}s; last output: {last}")
 
         try:
             result = await session.execute(code, timeout=timeout, max_output_chars=max_output_chars, progress=progress)

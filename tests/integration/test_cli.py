@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import ipyfence
 from ipyfence.policy import profiles_dir
 from ipyfence.sandbox.plan import default_server_install
 from tests.conftest import IPYFENCE, require_bwrap, server_env
@@ -42,6 +43,7 @@ def normalise(text: str, workspace: Path, state_dir: Path) -> str:
         str(state_dir): "<STATE>",
         str(profiles_dir()): "<PROFILES>",
         str(Path(IPYFENCE).parent): "<VENV_BIN>",
+        str(Path(ipyfence.__file__).resolve().parent): "<IPYFENCE_PKG>",
     }
     for old in sorted(replacements, key=len, reverse=True):
         text = text.replace(old, replacements[old])

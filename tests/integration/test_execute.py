@@ -161,16 +161,16 @@ async def test_only_kernel_env_variables_reach_the_kernel(make_client: Any, work
         # bwrap sets PWD (--chdir); ipykernel sets a few of its own when it starts
         kernel_own = {
             "PWD",
-            "CLICOLOR_FORCE",
             "MPLBACKEND",
-            "CLICOLOR",
-            "FORCE_COLOR",
             "PAGER",
             "GIT_PAGER",
             "PYDEVD_USE_FRAME_EVAL",
         }
         extra = set(kenv) - allowed - kernel_own
         assert not extra, f"unexpected variables in the kernel: {sorted(extra)}"
+        # ipykernel's colour forcing is undone before the first cell (ipyfence.kernel_plain_env)
+        assert kenv["TERM"] == "dumb"
+        assert "PYTHONSTARTUP" not in kenv
 
 
 @pytest.mark.parametrize(

@@ -246,25 +246,30 @@ except OSError as e:
 BRIDGE_ATTACKS = r"""
 import json, os, socket
 path, token = os.environ["IPYFENCE_BRIDGE_SOCKET"], os.environ["IPYFENCE_BRIDGE_TOKEN"]
-def ask(req):
-    s = socket.socket(socket.AF_UNIX); s.connect(path)
-    s.sendall((json.dumps(req) + "\n").encode())
-    line = s.makefile().readline(); s.close()
+def ask(req, hello={"token": token}):
+    s = socket.socket(socket.AF_UNIX); s.connect(path); f = s.makefile()
+    s.sendall((json.dumps(hello) + "\n").encode())
+    line = f.readline()
+    if line and json.loads(line).get("ok"):
+        s.sendall((json.dumps(req) + "\n").encode())
+        line = f.readline()
+    s.close()
     return json.loads(line) if line else {"closed": True}
 marker = MARKER
 # ipybox's attack: post full server_params so the host runs a command with its secrets.
 ipybox = {"server_name": "x", "server_params": {"command": "sh", "args": ["-c", f"echo $PEER_SECRET > {marker}"]},
           "tool": "t", "arguments": {}}
-print("A1", ask({**ipybox, "token": token}))
-print("A2", ask({"token": token, "server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2},
+print("A1", ask(ipybox))
+print("A2", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2},
                  "server_params": {"command": "sh", "args": ["-c", f"touch {marker}"]}}))
-print("A3", ask({"token": token, "server": "evil_srv", "tool": "run", "arguments": {}}))
-print("A4", ask({"token": token, "server": "peer", "tool": "no_such_tool", "arguments": {}}))
-print("A5", ask({"token": "0" * 32, "server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}}))
-print("A6", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}}))
-print("A7", ask({"token": token, "server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2},
+print("A3", ask({"server": "evil_srv", "tool": "run", "arguments": {}}))
+print("A4", ask({"server": "peer", "tool": "no_such_tool", "arguments": {}}))
+print("A5", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}}, hello={"token": "0" * 32}))
+print("A6", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}}, hello={}))
+print("A7", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2},
                  "env": {"LD_PRELOAD": "/tmp/x.so"}}))
-print("OK", ask({"token": token, "server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}})["ok"])
+print("A8", ask({"token": token, "server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}}))
+print("OK", ask({"server": "peer", "tool": "add", "arguments": {"a": 1, "b": 2}})["ok"])
 """
 
 
@@ -279,7 +284,7 @@ async def test_bridge_refuses_everything_but_registered_tool_calls(
         assert not err, out
         out = await ok_cell(client, BRIDGE_ATTACKS.replace("MARKER", repr(str(marker))))
         lines = {line[:2]: line for line in out.splitlines()}
-        for key in ("A1", "A2", "A7"):
+        for key in ("A1", "A2", "A7", "A8"):
             assert "'ok': False" in lines[key] and "refused key(s)" in lines[key], lines[key]
         assert "is not registered" in lines["A3"]
         assert "has no tool 'no_such_tool'" in lines["A4"]

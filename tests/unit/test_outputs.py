@@ -9,7 +9,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ipyfence.outputs import MAX_IMAGES, CellOutput, HeadTail, strip_ansi
+from ipyfence.outputs import MAX_IMAGE_BYTES, MAX_IMAGES, CellOutput, HeadTail
+from ipyfence.sanitize import clean
 
 MARKER = re.compile(r"\n\[\.\.\. (\d+) characters truncated \(max_output_chars=(\d+)\) \.\.\.\]\n")
 
@@ -72,9 +73,9 @@ def test_head_tail_property(chunks: list[str], limit: int) -> None:
     assert int(m.group(1)) == len(full) - limit
 
 
-def test_strip_ansi() -> None:
+def test_clean_strips_colours_and_titles() -> None:
     colored = "\x1b[0;31mValueError\x1b[0m: \x1b[1mboom\x1b[22m \x1b]0;title\x07done"
-    assert strip_ansi(colored) == "ValueError: boom done"
+    assert clean(colored) == "ValueError: boom done"
 
 
 def test_error_traceback_is_stripped_and_kept_after_output() -> None:
@@ -120,7 +121,47 @@ def test_too_many_images_are_counted_not_returned() -> None:
         out.handle(msg("display_data", data={"image/png": png}))
     assert len(out.images) == MAX_IMAGES
     assert out.images_dropped == 3
-    assert "more than" in out.text.render()
+    assert "3 image(s) (9 bytes) were not returned" in out.render()
+    assert f"at most {MAX_IMAGES} images" in out.render()
+
+
+def test_image_bytes_are_bounded_per_cell() -> None:
+    out = CellOutput(100_000)
+    big = base64.b64encode(b"\0" * (3 * 1024 * 1024)).decode()  # 3 MiB decoded
+    for _ in range(5):
+        out.handle(msg("display_data", data={"image/png": big}))
+    assert len(out.images) == 2  # a third would pass 8 MiB
+    assert out.image_bytes == 6 * 1024 * 1024 <= MAX_IMAGE_BYTES
+    assert out.images_dropped == 3
+    assert "3 image(s) (9437184 bytes) were not returned" in out.render()
+    # an image that fits the remaining room is still returned
+    small = base64.b64encode(b"png!").decode()
+    out.handle(msg("display_data", data={"image/png": small}))
+    assert len(out.images) == 3
+
+
+def test_image_size_is_known_without_decoding_and_padding_counts() -> None:
+    out = CellOutput(1000)
+    for raw in (b"a", b"ab", b"abc", b"abcd"):
+        out.handle(msg("display_data", data={"image/png": base64.b64encode(raw).decode()}))
+    assert out.image_bytes == 1 + 2 + 3 + 4
+
+
+def test_image_data_that_is_not_base64_is_not_returned() -> None:
+    out = CellOutput(1000)
+    for bad in ("\x1b]52;c;aGk=\x07", "abc", "ab=c", 12345):
+        out.handle(msg("display_data", data={"image/png": bad}))
+    assert out.images == []
+    assert out.render().count("not base64") == 4
+
+
+def test_clear_output_clears_images_too() -> None:
+    out = CellOutput(1000)
+    png = base64.b64encode(b"png").decode()
+    for _ in range(MAX_IMAGES * 2):
+        out.handle(msg("clear_output", wait=True))
+        out.handle(msg("display_data", data={"image/png": png}))
+    assert len(out.images) == 1 and out.images_dropped == 0
 
 
 def test_clear_output_and_status() -> None:

@@ -60,6 +60,8 @@ def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[st
         "PYTHONNOUSERSITE": "1",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         "TERM": "dumb",
+        # ipykernel forces colour (TERM=xterm-color, FORCE_COLOR, ...); this undoes it before any cell.
+        "PYTHONSTARTUP": str(Path(__file__).resolve().parents[1] / "kernel_plain_env.py"),
     }
     env.update({k: v for k, v in settings.kernel_env.items() if not k.startswith("IPYFENCE_")})
     env["IPYFENCE_BRIDGE_SOCKET"] = str(kernel_dir / BRIDGE_SOCKET)
