@@ -32,6 +32,7 @@ def _settings(ctx_obj: dict[str, Any]) -> Settings:
             profile=ctx_obj["profile"],
             sandbox_config=ctx_obj["sandbox_config"],
             standby=ctx_obj["standby"],
+            allow_workspace_servers=ctx_obj["allow_workspace_servers"],
         )
     except IpyfenceError as exc:
         raise click.ClickException(str(exc)) from None
@@ -73,6 +74,12 @@ def _setup_logging(level: str) -> None:
 @click.option("--print-policy", is_flag=True, help="Print the effective policy and kernel launch command, then exit.")
 @click.option("--standby/--no-standby", default=True, show_default=True, help="Keep a warm kernel for fast reset().")
 @click.option(
+    "--allow-workspace-servers",
+    is_flag=True,
+    help="Trust decision: let registered MCP servers start from the workspace (cwd, command, PATH); "
+    "they run on the host and would run whatever the kernel wrote there.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
@@ -96,6 +103,7 @@ def main(
     backend: Backend,
     print_policy: bool,
     standby: bool,
+    allow_workspace_servers: bool,
     log_level: str,
     sandbox_settings: Path | None,
     **ipybox_only: str | None,
@@ -118,6 +126,7 @@ def main(
         "profile": profile,
         "backend": backend,
         "standby": standby,
+        "allow_workspace_servers": allow_workspace_servers,
     }
     if ctx.invoked_subcommand is not None:
         return
@@ -211,6 +220,8 @@ def connect_command(settings: Settings) -> list[str]:
         argv += ["--sandbox-config", str(settings.sandbox_config.resolve())]
     if not settings.standby:
         argv.append("--no-standby")
+    if settings.allow_workspace_servers:
+        argv.append("--allow-workspace-servers")
     return argv
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ class Settings:
     kernel_env: Mapping[str, str] = field(repr=False)  # KERNEL_ENV_* with the prefix stripped
     state_root: Path = Path()  # ipyfence's persistent state for all workspaces (hidden from kernels)
     standby: bool = True  # keep a pre-started kernel for fast reset()
+    allow_workspace_servers: bool = False  # trust decision: registered servers may start from kernel-writable paths
 
     @property
     def state_dir(self) -> Path:
@@ -53,15 +56,47 @@ def default_state_root(environ: Mapping[str, str]) -> Path:
     return Path(base).resolve() / "ipyfence"
 
 
+MAX_DOTENV_BYTES = 256 * 1024  # a workspace .env larger than this is ignored (with a warning)
+
+
 def read_dotenv(workspace: Path) -> dict[str, str]:
-    """The workspace ``.env`` (python-dotenv syntax); missing file → empty."""
+    """The workspace ``.env``, read once at server start, as literal values.
+
+    The kernel can write the workspace (and may have created this file), so the file is data,
+    never instructions: no ``${VAR}`` interpolation (python-dotenv would pull other variables of
+    the server's environment into it, and so into the kernel), no symlinks (it would choose
+    which file is read), only a regular file of bounded size (a FIFO or /dev/zero would hang or
+    exhaust the server). Anything else is ignored with a warning, never a failed start.
+    """
     path = workspace / ".env"
-    if not path.is_file():
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        log.warning("ignoring %s: cannot open it without following links (%s)", path, exc.strerror)
         return {}
     try:
-        values = dotenv_values(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("ignoring %s: not a regular file", path)
+            return {}
+        if st.st_size > MAX_DOTENV_BYTES:
+            log.warning("ignoring %s: larger than %d KiB", path, MAX_DOTENV_BYTES // 1024)
+            return {}
+        raw = os.read(fd, MAX_DOTENV_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        log.warning("ignoring %s: not UTF-8 (%s)", path, exc.reason)
+        return {}
+    try:
+        values = dotenv_values(stream=io.StringIO(text), interpolate=False)
+    except Exception as exc:  # the parser is lenient, but a bad file must never stop the server
+        log.warning("ignoring %s: cannot parse it (%s)", path, exc)
+        return {}
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -106,6 +141,7 @@ def build_settings(
     sandbox_config: Path | None = None,
     environ: Mapping[str, str] | None = None,
     standby: bool = True,
+    allow_workspace_servers: bool = False,
 ) -> Settings:
     env = dict(os.environ if environ is None else environ)
     ws = resolve_workspace(workspace)
@@ -122,6 +158,7 @@ def build_settings(
         kernel_env=kernel_env,
         state_root=default_state_root(env),
         standby=standby,
+        allow_workspace_servers=allow_workspace_servers,
     )
 
 

@@ -56,7 +56,7 @@ def test_stdio_and_http_shapes() -> None:
         ({}, "needs 'command'"),
         ({"args": []}, r"got keys \['args'\]"),
         ({"command": "x", "url": "http://h"}, "both"),
-        ({"command": "x", "cwd": "/", "shell": True}, r"unknown key\(s\) \['cwd', 'shell'\]"),
+        ({"command": "x", "cwd": "/", "shell": True}, r"unknown key\(s\) \['shell'\]"),
         ({"url": "http://h", "env": {}}, r"unknown key\(s\) \['env'\]"),
         ({"command": ""}, "command must be a non-empty string"),
         ({"command": ["sh"]}, "command must be a non-empty string"),

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from ipyfence.errors import ToolInputError
 
-STDIO_KEYS = frozenset({"command", "args", "env"})
+STDIO_KEYS = frozenset({"command", "args", "env", "cwd"})  # cwd: accepted as ipybox does
 HTTP_KEYS = frozenset({"url", "headers"})
 MAX_NAME_LEN = 64
 
@@ -28,6 +28,7 @@ class StdioParams:
     command: str
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict, repr=False)  # may hold secrets
+    cwd: str | None = None  # None: ipyfence's private directory (see hostlaunch)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ def validate_server_params(server_params: object) -> dict[str, Any]:
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ToolInputError("server_params.args must be a list of strings")
         out = {"command": command, "args": list(args), "env": _str_map(server_params.get("env", {}), "env")}
+        if "cwd" in server_params:
+            cwd = server_params["cwd"]
+            if not isinstance(cwd, str) or not cwd.strip():
+                raise ToolInputError("server_params.cwd must be a non-empty string (a directory)")
+            out["cwd"] = cwd
     else:
         url = server_params["url"]
         if not isinstance(url, str) or not url.strip():
@@ -147,6 +153,7 @@ def resolve(params: Mapping[str, Any], variables: Mapping[str, str]) -> ServerPa
             command=substitute(params["command"], variables, "server_params.command"),
             args=tuple(substitute(a, variables, f"server_params.args[{i}]") for i, a in enumerate(params["args"])),
             env=_sub_map(params["env"], variables, "server_params.env"),
+            cwd=substitute(params["cwd"], variables, "server_params.cwd") if params.get("cwd") else None,
         )
     url = substitute(params["url"], variables, "server_params.url")
     parts = urlsplit(url)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -19,11 +20,13 @@ import anyio.to_thread
 from mcp_types import CallToolResult, Tool
 
 from ipyfence.errors import BridgeError, RegistrationError
+from ipyfence.mcptools import hostlaunch
 from ipyfence.mcptools.bridge import Bridge
 from ipyfence.mcptools.codegen import GeneratedPackage, ToolSpec, generate_package
-from ipyfence.mcptools.params import resolve, validate_server_name, validate_server_params
+from ipyfence.mcptools.params import StdioParams, resolve, validate_server_name, validate_server_params
 from ipyfence.mcptools.registry import Registration, Registry
 from ipyfence.mcptools.sessions import ConnectError, ServerConnection
+from ipyfence.policy import is_glob
 from ipyfence.sandbox.launch import BRIDGE_SOCKET
 from ipyfence.settings import Settings
 
@@ -53,9 +56,25 @@ class McpToolsService:
     # -- registration --------------------------------------------------------------------
 
     def _connection(self, name: str, raw_params: dict[str, Any]) -> ServerConnection:
-        return ServerConnection(
-            name, resolve(raw_params, self.settings.host_env), self.settings.workspace, self.connect_timeout
-        )
+        params = resolve(raw_params, self.settings.host_env)
+        cwd = self.settings.state_dir
+        if isinstance(params, StdioParams):
+            private = self.settings.state_dir / "server-cwd" / name
+            launch = hostlaunch.check(
+                name,
+                params.command,
+                params.env,
+                params.cwd,
+                workspace=self.settings.workspace,
+                roots=[p for p in self.settings.policy.filesystem.allow_write if not is_glob(p)],
+                private_dir=private,
+                allow_workspace=self.settings.allow_workspace_servers,
+                host_path=os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            )
+            private.mkdir(mode=0o700, parents=True, exist_ok=True)
+            params = dataclasses.replace(params, env={**params.env, "PATH": launch.path})
+            cwd = launch.cwd
+        return ServerConnection(name, params, cwd, self.connect_timeout)
 
     async def register(self, server_name: str, server_params: dict[str, Any]) -> list[str]:
         name = validate_server_name(server_name)

@@ -1,0 +1,100 @@
+"""Issue 10: the host never runs or trusts what the kernel can write.
+
+Each attack is planted from inside the (real, bwrap) kernel over the real MCP client, then the host
+action that would trigger it runs (a registered server is (re)started, the server restarts and reads
+the workspace .env). Because these rules hold on the host side whatever the sandbox does, the
+control for each one shows that the plant itself works when the rule is absent: the same server
+started the old way (cwd = workspace), python-dotenv's default interpolation of the same file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dotenv import dotenv_values
+
+from tests.conftest import require_bwrap, run_cell, text_of
+
+pytestmark = pytest.mark.anyio
+
+TIME_PARAMS = {"command": sys.executable, "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}
+
+
+def _plant_code(marker: Path) -> str:
+    """A cell that plants ./mcp_server_time/__main__.py: on import it would write ``marker`` (outside)."""
+    payload = f"open({str(marker)!r}, 'w').write('planted code ran on the host')\n"
+    return (
+        "import os\n"
+        "os.makedirs('mcp_server_time', exist_ok=True)\n"
+        "open('mcp_server_time/__init__.py', 'w').write('')\n"
+        f"open('mcp_server_time/__main__.py', 'w').write({payload!r})\n"
+    )
+
+
+async def test_registered_server_never_starts_from_the_workspace(
+    make_client: Any, workspace: Path, tmp_path: Path
+) -> None:
+    require_bwrap()
+    marker = tmp_path / f"pwned-{uuid.uuid4().hex[:8]}"
+    async with make_client() as client:
+        text, err = await run_cell(client, _plant_code(marker))
+        assert not err, text
+        result = await client.call_tool("register_mcp_server", {"server_name": "clock", "server_params": TIME_PARAMS})
+        assert not result.is_error, text_of(result)
+        text, err = await run_cell(
+            client, "from mcptools.clock.get_current_time import Params, run\nprint(run(Params(timezone='UTC')))"
+        )
+        assert not err and "UTC" in text, text
+    # A new server (same state dir) restarts the registered server on the kernel's first call.
+    async with make_client() as client:
+        text, err = await run_cell(
+            client, "from mcptools.clock.get_current_time import Params, run\nprint(run(Params(timezone='UTC')))"
+        )
+        assert not err and "UTC" in text, text
+    assert not marker.exists(), "the registered server ran kernel-planted code on the host"
+    # Control: started the old way, with the workspace as its cwd, the same server runs the plant.
+    subprocess.run([sys.executable, "-m", "mcp_server_time"], cwd=workspace, timeout=60, capture_output=True)
+    assert marker.exists(), "the plant would not have worked: the test proves nothing"
+
+
+async def test_cwd_in_the_workspace_needs_the_opt_in(make_client: Any, workspace: Path) -> None:
+    require_bwrap()
+    params = {**TIME_PARAMS, "cwd": str(workspace)}
+    async with make_client() as client:
+        result = await client.call_tool("register_mcp_server", {"server_name": "clock", "server_params": params})
+        text = text_of(result)
+        assert result.is_error and "--allow-workspace-servers" in text and "unsandboxed" in text, text
+        relative = {"command": "./node_modules/.bin/server"}
+        result = await client.call_tool("register_mcp_server", {"server_name": "rel", "server_params": relative})
+        assert result.is_error and "relative path" in text_of(result)
+        sneaky = {**TIME_PARAMS, "env": {"PYTHONPATH": str(workspace)}}
+        result = await client.call_tool("register_mcp_server", {"server_name": "pp", "server_params": sneaky})
+        assert result.is_error and "env PYTHONPATH" in text_of(result)
+    async with make_client("--allow-workspace-servers") as client:
+        result = await client.call_tool("register_mcp_server", {"server_name": "clock", "server_params": params})
+        assert not result.is_error, text_of(result)
+
+
+async def test_kernel_written_dotenv_is_literal_data(make_client: Any, workspace: Path) -> None:
+    """The kernel creates .env (absent at start, so not masked) asking for the server's secret."""
+    require_bwrap()
+    secret = f"s3cret-{uuid.uuid4().hex[:8]}"
+    env = {"SOME_SERVER_SECRET": secret}
+    async with make_client(env=env) as client:
+        text, err = await run_cell(client, "open('.env', 'w').write('KERNEL_ENV_LEAK=${SOME_SERVER_SECRET}\\n')")
+        assert not err, text
+    async with make_client(env=env) as client:
+        text, _ = await run_cell(client, "import os; print(repr(os.environ.get('LEAK')))")
+        assert secret not in text and "'${SOME_SERVER_SECRET}'" in text, text
+    # Control: python-dotenv's default (interpolation on) would have handed the kernel the secret.
+    os.environ["SOME_SERVER_SECRET"] = secret
+    try:
+        assert dotenv_values(workspace / ".env")["KERNEL_ENV_LEAK"] == secret
+    finally:
+        del os.environ["SOME_SERVER_SECRET"]
