@@ -230,7 +230,7 @@ def render_policy_report(settings: Settings) -> str:
     from ipyfence.launcher import KERNEL_OPTIONS
     from ipyfence.sandbox.launch import base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 
-    runtime_root = Path(tempfile.gettempdir()) / "ipyfence-XXXXXXXX"
+    runtime_root = Path(tempfile.gettempdir()) / "ipyfence-<uid>" / "ipyfence-XXXXXXXX"  # see runtime.py
     kernel_dir = runtime_root / "k1"
     env = base_env(settings, kernel_dir, "<per-kernel-token>")
     paths = kernel_paths(settings, kernel_dir, runtime_root)

@@ -5,6 +5,7 @@
     IpyfenceError                     any expected failure; its message is shown as is
     ├── ConfigError                   bad CLI flags, settings, .env or environment
     │   └── PolicyError               a profile or --sandbox-config file is invalid (names file + key path)
+    ├── UnsafePathError               a host write would go through a symlink or non-directory the kernel can plant
     ├── SandboxError                  the sandbox cannot be built or started (never falls back to no sandbox)
     │   └── SandboxUnavailableError   a prerequisite is missing (bwrap, srt, user namespaces); says how to fix
     ├── KernelError                   the kernel failed to start or died
@@ -28,6 +29,10 @@ class ConfigError(IpyfenceError):
 
 class PolicyError(ConfigError):
     """A sandbox profile or ``--sandbox-config`` file is invalid."""
+
+
+class UnsafePathError(IpyfenceError):
+    """A host file operation in a kernel-writable tree met a symlink or a non-directory: refused."""
 
 
 class SandboxError(IpyfenceError):

@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,13 +25,7 @@ from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager
 
 from ipyfence.errors import KernelError
-from ipyfence.runtime import (
-    OWNER_FILE,
-    PLACEHOLDERS_FILE,
-    RUNTIME_PREFIX,
-    remove_placeholders,
-    remove_stale_runtime_dirs,
-)
+from ipyfence.runtime import PLACEHOLDERS_FILE, make_runtime_root, remove_placeholders
 from ipyfence.sandbox import integrity
 from ipyfence.sandbox.bwrap import LaunchOptions
 from ipyfence.sandbox.cgroups import Cgroups, Events, KernelGroups
@@ -103,9 +96,7 @@ class KernelFactory:
         self.settings = settings
         self.on_start = on_start
         self.on_stop = on_stop
-        remove_stale_runtime_dirs()
-        self.runtime_root = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))  # 0700 by mkdtemp
-        (self.runtime_root / OWNER_FILE).write_text(str(os.getpid()))
+        self.runtime_root = make_runtime_root()  # 0700, in a verified private parent
         # Must exist before the first kernel starts: it is bind-mounted (read-only) into every
         # sandbox, and later installs show up through that mount without a restart.
         settings.packages_dir.mkdir(parents=True, exist_ok=True)

@@ -11,15 +11,15 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
+import stat
 from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 from mcp_types import CallToolResult, Tool
 
-from ipyfence.errors import BridgeError, RegistrationError
+from ipyfence import safefs
+from ipyfence.errors import BridgeError, RegistrationError, UnsafePathError
 from ipyfence.mcptools import hostlaunch
 from ipyfence.mcptools.bridge import Bridge
 from ipyfence.mcptools.codegen import GeneratedPackage, ToolSpec, generate_package
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 30.0  # seconds to start a server and finish the MCP handshake
 TIMEOUT_ENV = "IPYFENCE_MCP_CONNECT_TIMEOUT"  # override (e.g. in tests)
 PACKAGE_DIR = "mcptools"
+INIT_SOURCE = '"""Python APIs of MCP servers registered with ipyfence (generated)."""\n'
 
 
 class McpToolsService:
@@ -109,30 +110,37 @@ class McpToolsService:
         return sorted(package.modules)
 
     def _install(self, name: str, package: GeneratedPackage) -> None:
-        """Write mcptools/<name>/ next to the old one, then swap: a failure leaves the old API intact."""
-        root = self.settings.workspace / PACKAGE_DIR
-        root.mkdir(exist_ok=True)
-        init = root / "__init__.py"
-        if not init.exists():
-            init.write_text('"""Python APIs of MCP servers registered with ipyfence (generated)."""\n')
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+        """Write mcptools/<name>/ next to the old one, then swap: a failure leaves the old API intact.
+
+        The kernel can plant symlinks anywhere in mcptools/ between two registrations, so every step
+        is relative to a directory descriptor opened without following links (``safefs``).
+        """
         try:
-            for filename, source in package.files.items():
-                (tmp / filename).write_text(source, encoding="utf-8")
-            tmp.chmod(0o755)
-            target = root / name
-            if target.is_symlink() or target.is_file():
-                target.unlink()
-            if target.exists():
-                trash = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=root))
-                os.replace(target, trash / name)
-                os.replace(tmp, target)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, target)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RegistrationError(f"cannot write {root / name}: {exc}") from None
+            with safefs.opened_dir(self.settings.workspace, PACKAGE_DIR, create=True) as root:
+                init = safefs.lstat_or_none(root, "__init__.py")
+                if init is None or not stat.S_ISREG(init.st_mode):
+                    safefs.write_file(root, "__init__.py", INIT_SOURCE.encode())
+                tmp = safefs.make_temp_dir(root, f".tmp-{name}-", mode=0o755)
+                try:
+                    with safefs.opened_dir(root, tmp) as tmp_fd:
+                        for filename, source in package.files.items():
+                            safefs.write_file(tmp_fd, filename, source.encode("utf-8"))
+                    old = safefs.lstat_or_none(root, name)
+                    if old is not None and stat.S_ISDIR(old.st_mode):
+                        trash = safefs.make_temp_dir(root, f".old-{name}-")
+                        os.rename(name, f"{trash}/{name}", src_dir_fd=root, dst_dir_fd=root)
+                        os.rename(tmp, name, src_dir_fd=root, dst_dir_fd=root)
+                        safefs.remove(root, trash)
+                    else:
+                        if old is not None:  # a file or a symlink: the entry itself goes, nothing it points to
+                            os.unlink(name, dir_fd=root)
+                        os.rename(tmp, name, src_dir_fd=root, dst_dir_fd=root)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        safefs.remove(root, tmp)
+                    raise
+        except (OSError, UnsafePathError) as exc:
+            raise RegistrationError(f"cannot write {PACKAGE_DIR}/{name} in the workspace: {exc}") from None
 
     # -- the bridge ----------------------------------------------------------------------
 
