@@ -40,10 +40,13 @@ def remove_placeholders(paths: list[str]) -> None:
     each one is removed relative to its parent directory opened without following links, and only
     if it is still an empty directory or an empty regular file.
     """
+    from ipyfence.sandbox.plan import placeholder_names
+
+    allowed = placeholder_names()
     for path in paths:
         parent, name = os.path.split(path)
-        if not name:
-            continue
+        if name not in allowed or not os.path.isabs(parent):
+            continue  # only names ipyfence makes placeholders for, whatever a file says
         try:
             with safefs.opened_dir(parent) as fd:
                 safefs.remove_if_empty(fd, name)

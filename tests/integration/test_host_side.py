@@ -98,3 +98,74 @@ async def test_kernel_written_dotenv_is_literal_data(make_client: Any, workspace
         assert dotenv_values(workspace / ".env")["KERNEL_ENV_LEAK"] == secret
     finally:
         del os.environ["SOME_SERVER_SECRET"]
+
+
+async def test_host_writes_never_follow_kernel_made_symlinks(make_client: Any, workspace: Path, tmp_path: Path) -> None:
+    """The kernel points mcptools/, mcptools/__init__.py and mcptools/<name> at places outside the
+    workspace; register_mcp_server must refuse or replace the links, never write through them."""
+    require_bwrap()
+    outside = tmp_path / "outside"
+    (outside / "dir").mkdir(parents=True)
+    victim = outside / "victim.py"
+    victim.write_text("original\n")
+    async with make_client() as client:
+        text, err = await run_cell(client, f"import os; os.symlink({str(outside / 'dir')!r}, 'mcptools')")
+        assert not err, text
+        result = await client.call_tool("register_mcp_server", {"server_name": "clock", "server_params": TIME_PARAMS})
+        assert result.is_error and "symlink" in text_of(result), text_of(result)
+        assert list((outside / "dir").iterdir()) == [], "code generation wrote through the mcptools symlink"
+        code = (
+            "import os\n"
+            "os.unlink('mcptools'); os.mkdir('mcptools')\n"
+            f"os.symlink({str(victim)!r}, 'mcptools/__init__.py')\n"
+            f"os.symlink({str(outside / 'dir')!r}, 'mcptools/clock')\n"
+        )
+        text, err = await run_cell(client, code)
+        assert not err, text
+        result = await client.call_tool("register_mcp_server", {"server_name": "clock", "server_params": TIME_PARAMS})
+        assert not result.is_error, text_of(result)
+        text, err = await run_cell(
+            client, "from mcptools.clock.get_current_time import Params, run\nprint(run(Params(timezone='UTC')))"
+        )
+        assert not err and "UTC" in text, text
+    assert victim.read_text() == "original\n" and list((outside / "dir").iterdir()) == []
+    assert not (workspace / "mcptools" / "clock").is_symlink()
+    # Control: a plain host write through the planted link lands outside the workspace.
+    (workspace / "link").symlink_to(victim)
+    (workspace / "link").write_text("through the link\n")
+    assert victim.read_text() == "through the link\n"
+
+
+def test_runtime_dirs_never_trust_a_shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another local user pre-creates /tmp/ipyfence-<uid> (as a link, or owned by them) and plants a
+    stale-looking runtime dir whose placeholders file lists a victim: nothing is used or removed."""
+    from ipyfence import runtime
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    placeholder = tmp_path / "ws" / ".vscode"  # an empty placeholder a dead server left in its workspace
+    placeholder.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shared = tmp / f"ipyfence-{os.geteuid()}"
+    shared.symlink_to(elsewhere)
+    root = runtime.make_runtime_root()
+    assert shared not in root.parents and list(elsewhere.iterdir()) == []
+    shared.unlink()
+    shared.mkdir(mode=0o700)
+    stale = shared / "ipyfence-stale"
+    stale.mkdir()
+    (stale / runtime.OWNER_FILE).write_text("999999999")  # a dead pid
+    (stale / runtime.PLACEHOLDERS_FILE).write_text(f"{victim}\n{placeholder}\n")
+    os.chown(shared, 65534, 65534)  # made by someone else
+    root = runtime.make_runtime_root()
+    assert root.parent != shared and victim.is_dir() and stale.is_dir() and placeholder.is_dir()
+    # Control: once the parent is really ours, a dead server's dir is cleaned with its empty placeholder;
+    # a path that is not a placeholder name stays, whatever the file lists.
+    os.chown(shared, os.geteuid(), os.getegid())
+    root = runtime.make_runtime_root()
+    assert root.parent == shared and not stale.exists() and not placeholder.exists() and victim.is_dir()

@@ -56,6 +56,12 @@ ROOT_PLACEHOLDER_DIRS = (".claude", ".vscode", ".idea", ".cursor", ".git")
 ROOT_PLACEHOLDER_FILES = (".mcp.json",)
 HOME_PLACEHOLDER_FILES = (".bashrc", ".bash_profile", ".profile", ".zshrc", ".zprofile", ".zshenv", ".gitconfig")
 
+
+def placeholder_names() -> frozenset[str]:
+    """Every name ipyfence may create as an empty read-only placeholder (clean-up removes only these)."""
+    return frozenset({*ROOT_PLACEHOLDER_DIRS, *ROOT_PLACEHOLDER_FILES, *HOME_PLACEHOLDER_FILES})
+
+
 # Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
