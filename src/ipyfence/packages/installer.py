@@ -46,7 +46,7 @@ from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
 from ipyfence.packages.manage import check_name, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
-from ipyfence.packages.runtime_check import check_runtime, diagnose
+from ipyfence.packages.runtime_check import check_runtime, diagnose, last_error
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
@@ -181,8 +181,9 @@ class PackageInstaller:
         if not diagnosis.guilty:
             return None
         return (
-            f"the sandboxed kernel could not start because of the workspace's package dir "
-            f"{self.settings.packages_dir}: {diagnosis.describe()}\n(start-up error: {exc})"
+            f"the sandboxed kernel could not start because of the package dir: {diagnosis.describe()} "
+            f"uninstall_package starts a new kernel once the package dir is repaired. (The start-up error was: "
+            f"{last_error(str(exc))})"
         )
 
     async def _pip(

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -69,8 +70,7 @@ class CheckResult:
     def summary(self) -> str:
         parts = []
         if not self.ok:
-            last = [ln for ln in self.error.strip().splitlines() if ln.strip()]
-            parts.append(f"importing the kernel's runtime fails: {last[-1] if last else self.output[-500:]}")
+            parts.append(f"importing the kernel's runtime fails: {last_error(self.error or self.output)}")
         if self.foreign:
             shown = ", ".join(f"{m} ({p})" for m, p in sorted(self.foreign.items()))
             parts.append(f"runtime modules load from outside the server's install: {shown}")
@@ -79,6 +79,20 @@ class CheckResult:
     @property
     def healthy(self) -> bool:
         return self.ok and not self.foreign
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: ")
+
+
+def last_error(text: str) -> str:
+    """The last line of a traceback (the exception), with the file it was raised in."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "(no output)"
+    raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    files = [ln for ln in lines if ln.startswith('File "') and "<frozen" not in ln]
+    where = f" (raised in {files[-1].split(chr(34))[1]})" if files else ""
+    return (raised or lines)[-1][:500] + where
 
 
 async def check_runtime(
@@ -217,7 +231,7 @@ class Diagnosis:
             text += ". Fix: " + ", then ".join(fixes)
         else:
             text += ". Fix: see list_packages() and remove the package that broke it with uninstall_package(name)"
-        return text + "; the next call starts a fresh kernel."
+        return text + "."
 
 
 async def diagnose(settings: Settings, runtime_root: Path) -> Diagnosis:
