@@ -118,13 +118,13 @@ class PackageInstaller:
         The sandboxed import runs first: it executes staged code, which can write staging, so
         the static look at staging comes after it, at the files that would really move in.
         """
-        root = self.session.factory.runtime_root
-        result = await check_runtime(self.settings, root, front=(staging,), writable=(staging,))
+        root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
+        result = await check_runtime(self.settings, root, front=(staging,), writable=(staging,), cgroups=groups)
         staged = {m: p for m, p in result.foreign.items() if _under(p, staging)}
         if not result.ok or staged:
-            baseline = await check_runtime(self.settings, root)
+            baseline = await check_runtime(self.settings, root, cgroups=groups)
             if not result.ok and not baseline.ok:
-                diagnosis = await diagnose(self.settings, root)
+                diagnosis = await diagnose(self.settings, root, groups)
                 raise PackageInstallError(
                     f"install_package did not install {spec.text!r}: the kernel's runtime does not import even "
                     f"without it, so the package dir needs repair first: {diagnosis.describe()}"
@@ -177,7 +177,7 @@ class PackageInstaller:
 
     async def explain_start_failure(self, exc: KernelError) -> str | None:
         """Why a kernel could not start, when the package dir is the cause (None: it is not)."""
-        diagnosis = await diagnose(self.settings, self.session.factory.runtime_root)
+        diagnosis = await diagnose(self.settings, self.session.factory.runtime_root, self.session.factory.cgroups)
         if not diagnosis.guilty:
             return None
         return (

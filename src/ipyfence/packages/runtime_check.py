@@ -25,8 +25,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ipyfence.errors import SandboxError
 from ipyfence.packages.runtime_pins import Shadow, shadowing
 from ipyfence.sandbox import bwrap
+from ipyfence.sandbox.cgroups import Cgroups
 from ipyfence.sandbox.launch import base_env, build_launch, kernel_paths
 from ipyfence.sandbox.plan import default_server_install
 from ipyfence.settings import Settings
@@ -102,9 +104,19 @@ async def check_runtime(
     front: tuple[Path, ...] = (),
     with_packages_dir: bool = True,
     writable: tuple[Path, ...] = (),
+    cgroups: Cgroups | None = None,
 ) -> CheckResult:
-    """Import the runtime in a throwaway sandboxed process with ``front`` first on PYTHONPATH."""
+    """Import the runtime in a throwaway sandboxed process with ``front`` first on PYTHONPATH.
+
+    With ``cgroups`` the process runs under the kernel's process and memory limits too (the
+    imported code is untrusted; rlimits alone do not bound the number of processes of root).
+    """
     work = Path(tempfile.mkdtemp(prefix="check-", dir=runtime_root))
+    try:
+        groups = cgroups.for_kernel(f"k-{work.name}") if cgroups is not None else None
+    except OSError as exc:  # the hierarchy worked for the kernels: refuse rather than run unlimited
+        shutil.rmtree(work, ignore_errors=True)
+        raise SandboxError(f"could not set up cgroup limits for the runtime check: {exc}") from None
     try:
         for sub in ("home", "ipython", "mpl", "jupyter"):
             (work / sub).mkdir(mode=0o700)
@@ -120,8 +132,11 @@ async def check_runtime(
         launch = await asyncio.to_thread(
             build_launch, settings, paths, env, [sys.executable, "-c", CHECK_SCRIPT], options=options
         )
-        code, output = await _run(launch.argv, launch.env, settings.workspace, lifeline=launch.backend == "bwrap")
+        argv = groups.wrap(launch.argv) if groups is not None else launch.argv
+        code, output = await _run(argv, launch.env, settings.workspace, lifeline=launch.backend == "bwrap")
     finally:
+        if groups is not None:
+            await asyncio.to_thread(groups.remove)
         shutil.rmtree(work, ignore_errors=True)
     return parse_output(code, output)
 
@@ -234,7 +249,7 @@ class Diagnosis:
         return text + "."
 
 
-async def diagnose(settings: Settings, runtime_root: Path) -> Diagnosis:
+async def diagnose(settings: Settings, runtime_root: Path, cgroups: Cgroups | None = None) -> Diagnosis:
     """Look at the package dir statically, then import the runtime with and without it."""
     from ipyfence.packages.manage import owner_of
 
@@ -244,9 +259,9 @@ async def diagnose(settings: Settings, runtime_root: Path) -> Diagnosis:
     with_dir: CheckResult | None = None
     without_dir: CheckResult | None = None
     try:
-        with_dir = await check_runtime(settings, runtime_root)
+        with_dir = await check_runtime(settings, runtime_root, cgroups=cgroups)
         if not with_dir.healthy:
-            without_dir = await check_runtime(settings, runtime_root, with_packages_dir=False)
+            without_dir = await check_runtime(settings, runtime_root, with_packages_dir=False, cgroups=cgroups)
     except Exception as exc:  # no sandbox to run it in: the static look must do
         log.warning("could not run the sandboxed runtime check: %s", exc)
     return Diagnosis(packages_dir, shadows, with_dir, without_dir, owners)
