@@ -178,7 +178,7 @@ class PackageInstaller:
     async def explain_start_failure(self, exc: KernelError) -> str | None:
         """Why a kernel could not start, when the package dir is the cause (None: it is not)."""
         diagnosis = await diagnose(self.settings, self.session.factory.runtime_root, self.session.factory.cgroups)
-        if not diagnosis.guilty:
+        if not diagnosis.broken_by_dir:
             return None
         return (
             f"the sandboxed kernel could not start because of the package dir: {diagnosis.describe()} "

@@ -207,12 +207,22 @@ class Diagnosis:
     owners: dict[str, str]  # shadow entry -> the distribution in the package dir that owns it
 
     @property
-    def guilty(self) -> bool:
-        if self.shadows:
-            return True
-        if self.with_dir is None or self.with_dir.healthy:
+    def broken_by_dir(self) -> bool:
+        """The runtime does not import because of the package dir (the reason a kernel cannot start)."""
+        if self.with_dir is None:  # no sandbox to import in: judge by the files
+            return bool(self.shadows)
+        if self.with_dir.ok:
             return False
-        return self.without_dir is not None and self.without_dir.ok
+        if self.without_dir is not None and self.without_dir.ok:
+            return True
+        return str(self.packages_dir) in self.with_dir.error
+
+    @property
+    def problems(self) -> bool:
+        """Anything to repair: a broken import, or files that shadow the runtime even if it still imports."""
+        base = os.path.realpath(self.packages_dir) + os.sep
+        loaded = self.with_dir.foreign.values() if self.with_dir is not None else ()
+        return self.broken_by_dir or bool(self.shadows) or any(os.path.realpath(p).startswith(base) for p in loaded)
 
     def fixes(self) -> list[str]:
         """What to run or delete, one item per shadowing entry."""

@@ -111,9 +111,9 @@ def check_packages(settings: Settings) -> Check:
     finally:
         _shutil.rmtree(root, ignore_errors=True)
     how = "imports checked in the sandbox" if found.with_dir is not None else "files checked (no sandbox to import in)"
-    if not found.guilty and (found.with_dir is None or found.with_dir.healthy):
+    if not found.problems and (found.with_dir is None or found.with_dir.healthy):
         return Check(name, True, f"{settings.packages_dir}: the kernel's runtime is not shadowed ({how})")
-    if not found.guilty:
+    if not found.problems:
         assert found.with_dir is not None
         return Check(
             name,
