@@ -47,6 +47,8 @@ def index_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "fence-breaker": [build_wheel(files, "fence-breaker", "1.0", {"sitecustomize.py": BREAKER_SITECUSTOMIZE})],
         # Another name, but it ships a top-level traitlets/ (that imports fine: only the files give it away).
         "fence-squat": [build_wheel(files, "fence-squat", "1.0", {"traitlets/__init__.py": "VALUE = 1\n"})],
+        # In the server's venv but not part of the kernel's runtime: another version is allowed.
+        "click": [build_wheel(files, "click", "99.0", {"click/__init__.py": "__version__ = '99.0'\n"})],
         "fencetab": [build_wheel(files, "fencetab", "1.0.0", {"fencetab/__init__.py": "__version__ = '1.0.0'\n"})],
     }
     for project, paths in wheels.items():
@@ -109,6 +111,14 @@ async def test_runtime_cannot_be_replaced_or_shadowed(
         assert (await client.call_tool("reset", {})).is_error is False
         out, err = await run_cell(client, KERNEL_WORKS)
         assert not err and "kernel ok 5." in out, out
+
+        # A library the server uses but the kernel does not: the kernel may have its own version.
+        text, err = await install(client, "click==99.0")
+        assert not err and "click 99.0" in text, text
+        out, err = await run_cell(client, "import click; print('click', click.__version__)")
+        assert not err and "click 99.0" in out, out
+        text, err = await tool(client, "uninstall_package", package_name="click")
+        assert not err and "Removed click 99.0" in text, text
 
         # list / uninstall of a normal package; uninstall errors say what is allowed.
         text, err = await install(client, "fencetab")

@@ -44,7 +44,7 @@ from packaging.utils import canonicalize_name
 from ipyfence.errors import KernelError, KernelStartError, PackageInstallError
 from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
-from ipyfence.packages.manage import check_name, owner_of, render_listing, uninstall
+from ipyfence.packages.manage import check_name, list_installed, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
 from ipyfence.packages.runtime_check import check_runtime, diagnose, last_error
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
@@ -102,7 +102,7 @@ class PackageInstaller:
         items = _report_items(report)
         if not items:
             return _already_satisfied(spec, self.settings.packages_dir)
-        _refuse_runtime_items(spec, items)
+        _refuse_runtime_items(spec, items, self.settings.packages_dir)
         pins = [_pin(item) for item in items]
         await self._pip(spec, work, ["--target", str(staging), "--no-deps", *pinned], pins, writable=(staging,))
         await self._check_before_move_in(spec, staging)
@@ -320,7 +320,7 @@ def _under(path: str, root: Path) -> bool:
     return real == base or real.startswith(base + os.sep)
 
 
-def _refuse_runtime_items(spec: PackageSpec, items: list[dict[str, Any]]) -> None:
+def _refuse_runtime_items(spec: PackageSpec, items: list[dict[str, Any]], packages_dir: Path) -> None:
     """A runtime distribution in pip's plan means the constraints did not hold: refuse, never install it."""
     runtime = runtime_dists()
     clash = [
@@ -329,9 +329,14 @@ def _refuse_runtime_items(spec: PackageSpec, items: list[dict[str, Any]]) -> Non
         if (n := canonicalize_name(it["metadata"]["name"])) in runtime
     ]
     if clash:
+        # pip installs one only when the copy it sees first differs: an older install in the package dir.
+        stale = [d.name for d in list_installed(packages_dir)[0] if canonicalize_name(d.name) in runtime]
+        hint = ""
+        if stale:
+            hint = f" The package dir holds its own copy of {', '.join(stale)}: remove it with uninstall_package."
         raise PackageInstallError(
             f"install_package refused {spec.text!r}: pip chose {', '.join(clash)}, part of ipyfence's kernel "
-            "runtime, which installed packages may not replace. Nothing was installed."
+            f"runtime, which installed packages may not replace. Nothing was installed.{hint}"
         )
 
 
