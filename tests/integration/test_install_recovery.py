@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from ipyfence.settings import build_settings
 from tests.conftest import IPYFENCE, ClientFactory, require_bwrap, run_cell, server_env, text_of
 from tests.integration.test_install_package import _QuietHandler, build_wheel, install, mirror_env
 
@@ -145,30 +146,27 @@ async def test_runtime_cannot_be_replaced_or_shadowed(
 async def test_package_dir_broken_by_hand_is_explained_and_repaired(
     make_client: ClientFactory, workspace: Path, state_dir: Path
 ) -> None:
+    """A fake traitlets put into the package dir from the host: the control is that the kernel really breaks."""
     require_bwrap()
-    async with make_client("--no-standby") as client:  # no standby: reset() really starts a kernel
-        out, err = await run_cell(client, "print('fine')")
-        assert not err and "fine" in out
-        pkgs = packages_dir(state_dir)
-        (pkgs / "traitlets").mkdir()
+    pkgs = build_settings(workspace, environ={"IPYFENCE_STATE_DIR": str(state_dir)}).packages_dir
+
+    def break_it() -> None:
+        (pkgs / "traitlets").mkdir(parents=True)
         (pkgs / "traitlets" / "__init__.py").write_text(HAND_MADE_TRAITLETS)
 
-        text, err = await tool(client, "reset")
-        assert err, text
-        assert "could not start because of the package dir" in text and f"package dir {pkgs} holds" in text, text
-        assert "hand-made traitlets" in text and "uninstall_package('traitlets')" in text, text
-        text, err = await tool(client, "execute_ipython_cell", code="print(1)")
-        assert err and "uninstall_package('traitlets')" in text, text
+    def doctor() -> subprocess.CompletedProcess[str]:
+        argv = [IPYFENCE, "--workspace", str(workspace), "doctor"]
+        return subprocess.run(argv, env=server_env(state_dir), capture_output=True, text=True, timeout=300)
 
-        doctor = subprocess.run(
-            [IPYFENCE, "--workspace", str(workspace), "doctor"],
-            env=server_env(state_dir),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert doctor.returncode != 0, doctor.stdout
-        assert "[FAIL] package dir" in doctor.stdout and "uninstall_package('traitlets')" in doctor.stdout, doctor
+    break_it()  # before the server starts: its first kernel cannot start
+    async with make_client("--no-standby") as client:  # no standby: reset() really starts a kernel
+        text, err = await tool(client, "execute_ipython_cell", code="print(1)")
+        assert err and "could not start because of the package dir" in text and f"package dir {pkgs} holds" in text
+        assert "hand-made traitlets" in text and "uninstall_package('traitlets')" in text, text
+
+        found = doctor()
+        assert found.returncode != 0, found.stdout
+        assert "[FAIL] package dir" in found.stdout and "uninstall_package('traitlets')" in found.stdout, found
 
         text, err = await tool(client, "list_packages")
         assert not err and "traitlets/" in text and "SHADOWS the kernel's traitlets 5." in text, text
@@ -178,14 +176,15 @@ async def test_package_dir_broken_by_hand_is_explained_and_repaired(
         out, err = await run_cell(client, KERNEL_WORKS)
         assert not err and "kernel ok 5." in out, out
 
-    doctor = subprocess.run(
-        [IPYFENCE, "--workspace", str(workspace), "doctor"],
-        env=server_env(state_dir),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "[ok ] package dir" in doctor.stdout, doctor.stdout
+        break_it()  # while a kernel runs: the next kernel to start is the one that fails
+        text, err = await tool(client, "reset")
+        assert err and "could not start because of the package dir" in text, text
+        text, err = await tool(client, "uninstall_package", package_name="traitlets")
+        assert not err and "a new kernel is running now" in text, text
+        out, err = await run_cell(client, KERNEL_WORKS)
+        assert not err and "kernel ok 5." in out, out
+
+    assert "[ok ] package dir" in doctor().stdout
 
 
 # --- %pip / !pip in a cell, and KERNEL_ENV_PATH / KERNEL_ENV_PYTHONPATH -------------------------
