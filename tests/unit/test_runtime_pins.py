@@ -8,6 +8,7 @@ import pytest
 
 from ipyfence.errors import ToolInputError
 from ipyfence.packages import manage
+from ipyfence.packages.runtime_check import may_change_start
 from ipyfence.packages.runtime_pins import (
     RuntimeDist,
     RuntimeModules,
@@ -99,6 +100,32 @@ def test_shadowing(tmp_path: Path) -> None:
     (other / "traitlets.py").unlink()
     (other / "traitlets").symlink_to(other / "link")  # import follows links
     assert sorted(s.entry for s in shadowing(other, MODULES)) == ["jaraco", "traitlets"]
+
+
+def test_stdlib_names_are_reserved(tmp_path: Path) -> None:
+    _write(tmp_path / "enum" / "__init__.py")  # enum34: replaces the stdlib's enum for the kernel
+    _write(tmp_path / "concurrent" / "futures" / "x.py")  # a namespace portion: the stdlib package wins
+    assert [(s.entry, s.owner) for s in shadowing(tmp_path)] == [("enum", "the standard library's enum")]
+
+
+def test_start_check_is_needed_only_when_start_up_could_see_the_files(tmp_path: Path) -> None:
+    staging, pkgs = tmp_path / "staging", tmp_path / "pkgs"
+    _write(staging / "fencetab" / "__init__.py")
+    _write(staging / "fencetab-1.0.dist-info" / "RECORD", "fencetab/__init__.py,,\n")
+    pkgs.mkdir()
+    attempted = frozenset({"traitlets", "orjson"})
+    assert not may_change_start(staging, pkgs, attempted)
+    assert may_change_start(staging, pkgs, attempted | {"fencetab"})  # an optional import start-up tries
+    _write(staging / "fencetab-1.0.dist-info" / "entry_points.txt", "[console_scripts]\nft = fencetab:main\n")
+    assert not may_change_start(staging, pkgs, attempted)
+    _write(staging / "fencetab-1.0.dist-info" / "entry_points.txt", "[pygments.lexers]\nft = fencetab:Lexer\n")
+    assert may_change_start(staging, pkgs, attempted)  # a plugin, looked up by group
+    (staging / "fencetab-1.0.dist-info" / "entry_points.txt").unlink()
+    # The old version in the package dir provided orjson, which start-up imports: replacing it matters.
+    _write(pkgs / "fencetab-0.9.dist-info" / "RECORD", "orjson.py,,\n")
+    assert may_change_start(staging, pkgs, attempted)
+    _write(tmp_path / "hook" / "sitecustomize.py")
+    assert may_change_start(tmp_path / "hook", pkgs, frozenset())
 
 
 def test_user_paths_extend_the_kernels() -> None:

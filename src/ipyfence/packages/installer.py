@@ -46,7 +46,7 @@ from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
 from ipyfence.packages.manage import check_name, list_installed, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
-from ipyfence.packages.runtime_check import check_runtime, diagnose, last_error
+from ipyfence.packages.runtime_check import CheckResult, check_runtime, diagnose, last_error, may_change_start
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
@@ -91,51 +91,69 @@ class PackageInstaller:
     async def _install(self, spec: PackageSpec, work: Path, staging: Path) -> str:
         started = time.monotonic()
         report = work / "report.json"
-        # The kernel's runtime stays at the server's versions (see runtime_pins), in both runs.
-        pinned = ["--constraint", str(write_constraints(work / "constraints.txt"))]
+        # What the kernel's start-up imports with the package dir as it is, learnt while pip
+        # resolves (it overlaps with the dry run): it decides whether staged files need the
+        # sandboxed start check (_check_before_move_in).
+        root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
+        baseline = asyncio.ensure_future(check_runtime(self.settings, root, cgroups=groups))
         try:
-            # --verbose cancels one --quiet: pip names both sides of a conflict only at normal verbosity.
-            dry_run = ["--verbose", "--dry-run", "--report", str(report), *pinned]
-            await self._pip(spec, work, dry_run, [spec.text], writable=())
-        except PackageInstallError as exc:
-            raise PackageInstallError(explain_conflict(spec.text, str(exc)) or str(exc)) from None
-        items = _report_items(report)
-        if not items:
-            return _already_satisfied(spec, self.settings.packages_dir)
-        _refuse_runtime_items(spec, items, self.settings.packages_dir)
-        pins = [_pin(item) for item in items]
-        await self._pip(spec, work, ["--target", str(staging), "--no-deps", *pinned], pins, writable=(staging,))
-        await self._check_before_move_in(spec, staging)
+            # The kernel's runtime stays at the server's versions (see runtime_pins), in both runs.
+            pinned = ["--constraint", str(write_constraints(work / "constraints.txt"))]
+            try:
+                # --verbose cancels one --quiet: pip names both sides of a conflict only at normal verbosity.
+                dry_run = ["--verbose", "--dry-run", "--report", str(report), *pinned]
+                await self._pip(spec, work, dry_run, [spec.text], writable=())
+            except PackageInstallError as exc:
+                raise PackageInstallError(explain_conflict(spec.text, str(exc)) or str(exc)) from None
+            items = _report_items(report)
+            if not items:
+                return _already_satisfied(spec, self.settings.packages_dir)
+            _refuse_runtime_items(spec, items, self.settings.packages_dir)
+            pins = [_pin(item) for item in items]
+            await self._pip(spec, work, ["--target", str(staging), "--no-deps", *pinned], pins, writable=(staging,))
+            await self._check_before_move_in(spec, staging, await baseline)
+        finally:
+            if not baseline.done():
+                baseline.cancel()
+            with contextlib.suppress(BaseException):
+                await baseline
         async with self.session.lock:
             replaced = install_staged(staging, self.settings.packages_dir)
             await self._refresh_kernel()
         log.info("installed %s in %.1fs", spec.text, time.monotonic() - started)
         return _success_message(items, replaced)
 
-    async def _check_before_move_in(self, spec: PackageSpec, staging: Path) -> None:
+    async def _check_before_move_in(self, spec: PackageSpec, staging: Path, baseline: CheckResult) -> None:
         """Refuse staged files that would shadow the kernel's runtime or stop it from starting.
 
-        The sandboxed import runs first: it executes staged code, which can write staging, so
-        the static look at staging comes after it, at the files that would really move in.
+        The sandboxed start check runs unless the staged files cannot take part in start-up:
+        none of their import names is one the start-up imports or tries (``baseline``, from
+        the package dir as it is), they carry no ``sitecustomize`` and no entry points other
+        than scripts, and the distributions they replace provide none of those names either.
+        It runs first: it executes staged code, which can write staging, so the static look
+        at staging comes after it, at the files that would really move in.
         """
-        root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
-        result = await check_runtime(self.settings, root, front=(staging,), writable=(staging,), cgroups=groups)
-        staged = {m: p for m, p in result.foreign.items() if _under(p, staging)}
-        if not result.ok or staged:
-            baseline = await check_runtime(self.settings, root, cgroups=groups)
-            if not result.ok and not baseline.ok:
-                diagnosis = await diagnose(self.settings, root, groups)
-                raise PackageInstallError(
-                    f"install_package did not install {spec.text!r}: the kernel's runtime does not import even "
-                    f"without it, so the package dir needs repair first: {diagnosis.describe()}"
+        packages_dir = self.settings.packages_dir
+        if not baseline.healthy or may_change_start(staging, packages_dir, baseline.attempted):
+            root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
+            result = await check_runtime(self.settings, root, front=(staging,), writable=(staging,), cgroups=groups)
+            staged = {m: p for m, p in result.foreign.items() if _under(p, staging)}
+            if not result.ok or staged:
+                if not result.ok and not baseline.ok:
+                    diagnosis = await diagnose(self.settings, root, groups)
+                    raise PackageInstallError(
+                        f"install_package did not install {spec.text!r}: the kernel's runtime does not import even "
+                        f"without it, so the package dir needs repair first: {diagnosis.describe()}"
+                    )
+                shown = (
+                    result.summary()
+                    if not result.ok
+                    else "; ".join(f"{m} would load from {p}" for m, p in staged.items())
                 )
-            shown = (
-                result.summary() if not result.ok else "; ".join(f"{m} would load from {p}" for m, p in staged.items())
-            )
-            raise PackageInstallError(
-                f"install_package refused {spec.text!r}: with it installed the kernel could not start cleanly "
-                f"({shown}). Nothing was installed; the package dir is unchanged."
-            )
+                raise PackageInstallError(
+                    f"install_package refused {spec.text!r}: with it installed the kernel could not start cleanly "
+                    f"({shown}). Nothing was installed; the package dir is unchanged."
+                )
         shadows = shadowing(staging)
         if shadows:
             owners = {s.entry: owner_of(staging, s.entry) for s in shadows}

@@ -78,6 +78,19 @@ def _owned_tops(packages_dir: Path) -> dict[str, str]:
     return tops
 
 
+def tops_of(packages_dir: Path, names: set[str]) -> set[str]:
+    """Import names (top-level entries) of the installed distributions called ``names`` (canonical)."""
+    root = os.path.realpath(packages_dir)
+    tops: set[str] = set()
+    for info in _dist_infos(packages_dir):
+        if dist_name_version(info)[0] in names:
+            for path in record_paths(info, root):
+                entry = os.path.relpath(path, root).split(os.sep, 1)[0]
+                if not entry.endswith(".dist-info") and entry not in NOT_MODULES:
+                    tops.add(entry.split(".", 1)[0])
+    return tops
+
+
 def owner_of(packages_dir: Path, entry: str) -> str | None:
     """The distribution that installed top-level ``entry``, None when it was put there by hand."""
     return _owned_tops(packages_dir).get(entry)

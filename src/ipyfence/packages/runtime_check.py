@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ipyfence.errors import SandboxError
-from ipyfence.packages.runtime_pins import Shadow, shadowing
+from ipyfence.packages.layout import dist_name_version
+from ipyfence.packages.manage import owner_of, tops_of
+from ipyfence.packages.runtime_pins import Shadow, shadowing, top_level_names
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.cgroups import Cgroups
 from ipyfence.sandbox.launch import base_env, build_launch, kernel_paths
@@ -44,6 +46,18 @@ MARKER = "IPYFENCE-RUNTIME-CHECK "
 CHECK_SCRIPT = r"""
 import json, os, sys, traceback
 trusted = [os.path.realpath(p) for p in os.environ.pop("IPYFENCE_CHECK_TRUSTED").split(os.pathsep) if p]
+attempted = {name.partition(".")[0] for name in sys.modules}  # imported before this script ran
+
+
+class Recorder:
+    # First on sys.meta_path: sees every import the runtime tries, including optional ones that fail.
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        attempted.add(fullname.partition(".")[0])
+        return None
+
+
+sys.meta_path.insert(0, Recorder)
 result = {"ok": True, "error": "", "foreign": {}}
 try:
     import ipykernel.kernelapp, ipykernel.ipkernel, ipykernel.zmqshell, pydantic, ipyfence.mcptools.client
@@ -58,6 +72,7 @@ for name, module in list(sys.modules.items()):
     real = os.path.realpath(path)
     if not any(real == t or real.startswith(t + os.sep) for t in trusted):
         result["foreign"][name] = path
+result["attempted"] = sorted(attempted)
 print("\n" + MARKER + json.dumps(result), flush=True)
 """.replace("MARKER", repr(MARKER))
 
@@ -68,6 +83,7 @@ class CheckResult:
     error: str  # the traceback's tail when it did not
     foreign: dict[str, str] = field(default_factory=dict)  # top-level module -> file outside the server install
     output: str = ""  # what the process printed (for a failure that is not an import error)
+    attempted: frozenset[str] = frozenset()  # every top-level name imported or tried during start-up
 
     def summary(self) -> str:
         parts = []
@@ -147,7 +163,8 @@ def parse_output(code: int, output: str) -> CheckResult:
         return CheckResult(False, "", {}, output.strip()[-2000:] or f"(the check exited with code {code})")
     try:
         data = json.loads(tail.strip().splitlines()[0])
-        return CheckResult(bool(data["ok"]), str(data["error"]), dict(data["foreign"]), head.strip()[-2000:])
+        attempted = frozenset(str(n) for n in data.get("attempted", ()))
+        return CheckResult(bool(data["ok"]), str(data["error"]), dict(data["foreign"]), head.strip()[-2000:], attempted)
     except (ValueError, KeyError, IndexError, TypeError):
         return CheckResult(False, "", {}, output.strip()[-2000:])
 
@@ -193,6 +210,35 @@ async def _run(argv: list[str], env: dict[str, str], cwd: Path, *, lifeline: boo
         if write_end is not None:
             os.close(write_end)
     return proc.returncode or 0, buf.decode(errors="replace")
+
+
+# Run by the interpreter at start-up from anywhere on sys.path, before any import we can see.
+STARTUP_HOOKS = frozenset({"sitecustomize", "usercustomize"})
+SCRIPT_GROUPS = frozenset({"console_scripts", "gui_scripts"})
+
+
+def may_change_start(staging: Path, packages_dir: Path, attempted: frozenset[str]) -> bool:
+    """Could moving ``staging`` in change what a kernel does while it starts?
+
+    Only through a name start-up imports or tries (``attempted``, recorded by the check), a
+    start-up hook, or entry points (plugins are looked up by group, from any dist-info on
+    the path). Distributions that the move replaces count too: removing them changes what
+    those names resolve to.
+    """
+    names = top_level_names(staging)
+    staged = {dist_name_version(p)[0] for p in staging.glob("*.dist-info")}
+    names |= tops_of(packages_dir, staged)
+    if names & (attempted | STARTUP_HOOKS):
+        return True
+    for info in staging.glob("*.dist-info"):
+        try:
+            text = (info / "entry_points.txt").read_text(errors="replace")
+        except OSError:
+            continue
+        groups = {ln.strip()[1:-1].strip() for ln in text.splitlines() if ln.strip().startswith("[")}
+        if groups - SCRIPT_GROUPS:
+            return True
+    return False
 
 
 # --- is the package dir why a kernel cannot start? ----------------------------------------------
@@ -261,8 +307,6 @@ class Diagnosis:
 
 async def diagnose(settings: Settings, runtime_root: Path, cgroups: Cgroups | None = None) -> Diagnosis:
     """Look at the package dir statically, then import the runtime with and without it."""
-    from ipyfence.packages.manage import owner_of
-
     packages_dir = settings.packages_dir
     shadows = shadowing(packages_dir)
     owners = {s.entry: o for s in shadows if (o := owner_of(packages_dir, s.entry))}

@@ -25,6 +25,7 @@ import functools
 import importlib.metadata
 import os
 import re
+import sys
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -174,7 +175,10 @@ def _module_name(entry: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def runtime_modules() -> RuntimeModules:
-    owners: dict[str, str] = dict(RESERVED_MODULES)
+    # The package dir comes before the standard library on sys.path too: a backport such as
+    # enum34 (a top-level enum/) would replace the stdlib's for the kernel.
+    owners: dict[str, str] = {name: f"the standard library's {name}" for name in sys.stdlib_module_names}
+    owners.update(RESERVED_MODULES)
     files: set[str] = set()
     for rd in runtime_dists().values():
         dist = importlib.metadata.distribution(rd.name)
@@ -192,6 +196,22 @@ def runtime_modules() -> RuntimeModules:
             if name and name.isidentifier():
                 owners.setdefault(name, label)
     return RuntimeModules(owners, frozenset(files))
+
+
+def top_level_names(directory: Path) -> set[str]:
+    """Import names the top-level entries of a --target tree provide."""
+    names: set[str] = set()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return names
+    for entry in entries:
+        if entry.name in NOT_MODULES or entry.name.endswith((".dist-info", ".egg-info", ".data")):
+            continue
+        name = entry.name if entry.is_dir() else _module_name(entry.name)
+        if name:
+            names.add(name)
+    return names
 
 
 @dataclass(frozen=True)
