@@ -279,11 +279,13 @@ def _redact_env(argv: list[str], settings: Settings) -> list[str]:
 @main.command()
 @click.pass_context
 def doctor(ctx: click.Context) -> None:
-    """Check the sandbox prerequisites and say how to fix what is missing."""
-    from ipyfence.sandbox.preflight import checks
+    """Check the sandbox prerequisites and the workspace's package dir; say how to fix what is wrong."""
+    from ipyfence.sandbox.preflight import check_packages, checks
 
+    found = checks()
+    found.append(check_packages(_settings(ctx.obj)))
     failed = False
-    for check in checks():
+    for check in found:
         mark = "ok " if check.ok else ("FAIL" if check.required else "warn")
         click.echo(f"[{mark}] {check.name}: {check.detail}")
         if not check.ok:

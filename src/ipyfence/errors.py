@@ -9,6 +9,7 @@
     ├── SandboxError                  the sandbox cannot be built or started (never falls back to no sandbox)
     │   └── SandboxUnavailableError   a prerequisite is missing (bwrap, srt, user namespaces); says how to fix
     ├── KernelError                   the kernel failed to start or died
+    │   └── KernelStartError          a new kernel did not come up (install_package checks the package dir)
     ├── ToolInputError                an MCP tool got an argument it cannot accept
     ├── RegistrationError             register_mcp_server failed (bad params, unreachable server, codegen)
     ├── BridgeError                   a kernel→host tool call was refused or failed
@@ -45,6 +46,10 @@ class SandboxUnavailableError(SandboxError):
 
 class KernelError(IpyfenceError):
     """The kernel failed to start or died."""
+
+
+class KernelStartError(KernelError):
+    """A new kernel exited or hung during start-up."""
 
 
 class ToolInputError(IpyfenceError):

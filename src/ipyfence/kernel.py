@@ -82,6 +82,7 @@ class KernelSession:
         if old is not None:
             self._spawn(self.factory.stop(old))
         self._start_standby()
+        self._start_watchdog()  # not yet running when the first kernel failed to start
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)

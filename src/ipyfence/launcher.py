@@ -24,7 +24,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager
 
-from ipyfence.errors import KernelError
+from ipyfence.errors import KernelError, KernelStartError
 from ipyfence.runtime import PLACEHOLDERS_FILE, make_runtime_root, remove_placeholders
 from ipyfence.sandbox import integrity
 from ipyfence.sandbox.bwrap import LaunchOptions
@@ -193,7 +193,7 @@ class KernelFactory:
             if not await kernel.km.is_alive():
                 detail = kernel.startup_log()
                 await self.stop(kernel)
-                raise KernelError(
+                raise KernelStartError(
                     f"the kernel exited during start-up ({kernel.launch.backend} sandbox)."
                     + (f"\n{detail}" if detail else "")
                     + "\nRun `ipyfence doctor` to check the sandbox prerequisites."
@@ -204,7 +204,7 @@ class KernelFactory:
             except RuntimeError:
                 if time.monotonic() > deadline:
                     await self.stop(kernel)
-                    raise KernelError(f"the kernel did not become ready within {START_TIMEOUT:.0f}s") from None
+                    raise KernelStartError(f"the kernel did not become ready within {START_TIMEOUT:.0f}s") from None
 
     async def stop(self, kernel: RunningKernel) -> None:
         """Kill the kernel's sandbox: with its pid namespace gone, every process it started is gone."""

@@ -1,4 +1,4 @@
-"""The MCP server: ipybox's four tools as thin adapters over the kernel session.
+"""The MCP server: ipybox's four tools, plus list_packages and uninstall_package, as thin adapters.
 
 Expected failures raise ``ToolError`` (→ ``isError``); nothing here writes to stdout.
 """
@@ -21,7 +21,7 @@ from pydantic import Field
 
 from ipyfence import __version__, sanitize, tooldocs
 from ipyfence.app import App
-from ipyfence.errors import IpyfenceError
+from ipyfence.errors import IpyfenceError, KernelStartError
 from ipyfence.kernel import ExecutionResult, KernelSession
 from ipyfence.toolargs import StrictArgsServer
 
@@ -35,6 +35,8 @@ A stateful IPython kernel running inside an OS sandbox: it can read most files b
 files, can write only inside the workspace, and has no internet. Variables persist across
 execute_ipython_cell calls until reset(). Use register_mcp_server to generate a Python API
 (mcptools.<server>.<tool>) for another MCP server's tools and call them from code.
+Install packages with install_package (pip inside a cell has no network); list_packages and
+uninstall_package show and repair what was installed.
 """
 
 
@@ -91,11 +93,20 @@ class CleanMCPServer(StrictArgsServer):
         return clean_result(result) if isinstance(result, CallToolResult) else result
 
 
+async def _tool_error(app: App, exc: IpyfenceError, prefix: str = "") -> ToolError:
+    """The error as a tool error; a kernel that cannot start because of the package dir says so."""
+    if isinstance(exc, KernelStartError):
+        explained = await app.installer().explain_start_failure(exc)
+        if explained is not None:
+            return ToolError(explained)
+    return ToolError(f"{prefix}{exc}")
+
+
 async def _ready(app: App) -> KernelSession:
     try:
         return await app.ready()
     except IpyfenceError as exc:
-        raise ToolError(f"the sandboxed kernel could not start: {exc}") from None
+        raise await _tool_error(app, exc, "the sandboxed kernel could not start: ") from None
 
 
 def build_server(app: App) -> MCPServer[Any]:
@@ -144,7 +155,7 @@ def build_server(app: App) -> MCPServer[Any]:
         try:
             result = await session.execute(code, timeout=timeout, max_output_chars=max_output_chars, progress=progress)
         except IpyfenceError as exc:
-            raise ToolError(str(exc)) from None
+            raise await _tool_error(app, exc) from None
         return result_to_mcp(result)
 
     @mcp.tool(description=tooldocs.REGISTER_MCP_SERVER)
@@ -176,6 +187,28 @@ def build_server(app: App) -> MCPServer[Any]:
         except IpyfenceError as exc:
             raise ToolError(str(exc)) from None
 
+    @mcp.tool(description=tooldocs.LIST_PACKAGES)
+    async def list_packages() -> str:
+        """Thin adapter: see tooldocs.LIST_PACKAGES."""
+        with contextlib.suppress(IpyfenceError):
+            await app.ready()  # wait for the first start; a kernel that cannot start must not block this
+        try:
+            return await app.installer().list_packages()
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+
+    @mcp.tool(description=tooldocs.UNINSTALL_PACKAGE)
+    async def uninstall_package(
+        package_name: Annotated[str, Field(description="Distribution name as list_packages() shows it, e.g. requests")],
+    ) -> str:
+        """Thin adapter: see tooldocs.UNINSTALL_PACKAGE."""
+        with contextlib.suppress(IpyfenceError):
+            await app.ready()  # a kernel that cannot start is what this tool repairs
+        try:
+            return await app.installer().uninstall(package_name)
+        except IpyfenceError as exc:
+            raise ToolError(str(exc)) from None
+
     @mcp.tool(description=tooldocs.RESET)
     async def reset() -> str:
         """Creates a new kernel, clearing all variables and imports. Installed packages and generated mcptools/
@@ -184,7 +217,7 @@ def build_server(app: App) -> MCPServer[Any]:
         try:
             await session.reset()
         except IpyfenceError as exc:
-            raise ToolError(str(exc)) from None
+            raise await _tool_error(app, exc) from None
         return "Kernel reset: all variables and imports are cleared. Installed packages and mcptools/ persist."
 
     return mcp

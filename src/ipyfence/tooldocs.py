@@ -48,3 +48,12 @@ RESET = """\
 Replace the kernel with a fresh one: all variables, imports and definitions are cleared.
 Installed packages and the generated mcptools/ persist. Call it after re-registering an MCP server
 so the new API is imported."""
+
+LIST_PACKAGES = """\
+List what install_package put into this workspace's package dir (name, version, when), and anything
+else found there, such as files that shadow the kernel's own runtime."""
+
+UNINSTALL_PACKAGE = """\
+Remove one package from this workspace's package dir (installed by install_package, or a module put
+there by hand), then refresh the kernel, or start a new one if the package kept it from starting.
+package_name: the distribution name as list_packages() shows it, e.g. "requests"."""

@@ -155,6 +155,9 @@ async def test_only_kernel_env_variables_reach_the_kernel(make_client: Any, work
             "PYTHONNOUSERSITE",
             "PYDEVD_DISABLE_FILE_VALIDATION",
             "TERM",
+            "PIP_NO_INDEX",  # pip in a cell fails at once (pipguard)
+            "PIP_RETRIES",
+            "PIP_DISABLE_PIP_VERSION_CHECK",
             "IPYFENCE_BRIDGE_SOCKET",
             "IPYFENCE_BRIDGE_TOKEN",
         }

@@ -27,11 +27,12 @@ def inspector(workspace: Path, state_dir: Path, *method: str) -> dict[str, objec
     return result
 
 
-def test_inspector_lists_the_four_ipybox_tools(workspace: Path, state_dir: Path) -> None:
+def test_inspector_lists_the_ipybox_tools_and_package_tools(workspace: Path, state_dir: Path) -> None:
     require_bwrap()
     listed = inspector(workspace, state_dir, "--method", "tools/list")
     names = {tool["name"] for tool in listed["tools"]}  # type: ignore[attr-defined]
-    assert names == {"execute_ipython_cell", "register_mcp_server", "install_package", "reset"}
+    ipybox = {"execute_ipython_cell", "register_mcp_server", "install_package", "reset"}
+    assert names == ipybox | {"list_packages", "uninstall_package"}
     execute = next(t for t in listed["tools"] if t["name"] == "execute_ipython_cell")  # type: ignore[attr-defined]
     props = execute["inputSchema"]["properties"]
     assert props["timeout"]["default"] == 120 and props["max_output_chars"]["default"] == 5000

@@ -10,8 +10,17 @@ Two sandboxed pip runs, both with the kernel's filesystem policy plus network:
    code (setup.py, backends) runs in both steps; it can write only the staging directory,
    the pip cache and its private home and tmp, never the package directory.
 
+Both runs get a constraints file pinning the kernel's own runtime (ipykernel, pydantic and
+their dependencies: ``runtime_pins``) to the server's versions, so a request that needs
+another version of one of them fails to resolve, and says so in one sentence. Before the
+staged files move in, a throwaway sandboxed process imports the kernel's runtime with
+staging in front of the package directory, and staging is checked for files that would
+shadow a runtime module: a package that would stop the kernel from starting is refused and
+the package directory is left untouched.
+
 Then, with the kernel session's lock held (no cell runs), the staged files are moved into
 the package directory and the running kernel's import caches are invalidated.
+``list_packages`` and ``uninstall_package`` (``manage``) show and repair the directory.
 """
 
 from __future__ import annotations
@@ -30,10 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ipyfence.errors import KernelError, PackageInstallError
+from packaging.utils import canonicalize_name
+
+from ipyfence.errors import KernelError, KernelStartError, PackageInstallError
 from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
+from ipyfence.packages.manage import check_name, list_installed, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
+from ipyfence.packages.runtime_check import CheckResult, check_runtime, diagnose, last_error, may_change_start
+from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.launch import build_launch, kernel_paths
@@ -77,17 +91,118 @@ class PackageInstaller:
     async def _install(self, spec: PackageSpec, work: Path, staging: Path) -> str:
         started = time.monotonic()
         report = work / "report.json"
-        await self._pip(spec, work, ["--dry-run", "--report", str(report)], [spec.text], writable=())
-        items = _report_items(report)
-        if not items:
-            return _already_satisfied(spec, self.settings.packages_dir)
-        pins = [_pin(item) for item in items]
-        await self._pip(spec, work, ["--target", str(staging), "--no-deps"], pins, writable=(staging,))
+        # What the kernel's start-up imports with the package dir as it is, learnt while pip
+        # resolves (it overlaps with the dry run): it decides whether staged files need the
+        # sandboxed start check (_check_before_move_in).
+        root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
+        baseline = asyncio.ensure_future(check_runtime(self.settings, root, cgroups=groups))
+        try:
+            # The kernel's runtime stays at the server's versions (see runtime_pins), in both runs.
+            pinned = ["--constraint", str(write_constraints(work / "constraints.txt"))]
+            try:
+                # --verbose cancels one --quiet: pip names both sides of a conflict only at normal verbosity.
+                dry_run = ["--verbose", "--dry-run", "--report", str(report), *pinned]
+                await self._pip(spec, work, dry_run, [spec.text], writable=())
+            except PackageInstallError as exc:
+                raise PackageInstallError(explain_conflict(spec.text, str(exc)) or str(exc)) from None
+            items = _report_items(report)
+            if not items:
+                return _already_satisfied(spec, self.settings.packages_dir)
+            _refuse_runtime_items(spec, items, self.settings.packages_dir)
+            pins = [_pin(item) for item in items]
+            await self._pip(spec, work, ["--target", str(staging), "--no-deps", *pinned], pins, writable=(staging,))
+            await self._check_before_move_in(spec, staging, await baseline)
+        finally:
+            if not baseline.done():
+                baseline.cancel()
+            with contextlib.suppress(BaseException):
+                await baseline
         async with self.session.lock:
             replaced = install_staged(staging, self.settings.packages_dir)
             await self._refresh_kernel()
         log.info("installed %s in %.1fs", spec.text, time.monotonic() - started)
         return _success_message(items, replaced)
+
+    async def _check_before_move_in(self, spec: PackageSpec, staging: Path, baseline: CheckResult) -> None:
+        """Refuse staged files that would shadow the kernel's runtime or stop it from starting.
+
+        The sandboxed start check runs unless the staged files cannot take part in start-up:
+        none of their import names is one the start-up imports or tries (``baseline``, from
+        the package dir as it is), they carry no ``sitecustomize`` and no entry points other
+        than scripts, and the distributions they replace provide none of those names either.
+        It runs first: it executes staged code, which can write staging, so the static look
+        at staging comes after it, at the files that would really move in.
+        """
+        packages_dir = self.settings.packages_dir
+        if not baseline.healthy or may_change_start(staging, packages_dir, baseline.attempted):
+            root, groups = self.session.factory.runtime_root, self.session.factory.cgroups
+            result = await check_runtime(self.settings, root, front=(staging,), writable=(staging,), cgroups=groups)
+            staged = {m: p for m, p in result.foreign.items() if _under(p, staging)}
+            if not result.ok or staged:
+                if not result.ok and not baseline.ok:
+                    diagnosis = await diagnose(self.settings, root, groups)
+                    raise PackageInstallError(
+                        f"install_package did not install {spec.text!r}: the kernel's runtime does not import even "
+                        f"without it, so the package dir needs repair first: {diagnosis.describe()}"
+                    )
+                shown = (
+                    result.summary()
+                    if not result.ok
+                    else "; ".join(f"{m} would load from {p}" for m, p in staged.items())
+                )
+                raise PackageInstallError(
+                    f"install_package refused {spec.text!r}: with it installed the kernel could not start cleanly "
+                    f"({shown}). Nothing was installed; the package dir is unchanged."
+                )
+        shadows = shadowing(staging)
+        if shadows:
+            owners = {s.entry: owner_of(staging, s.entry) for s in shadows}
+            shown = ", ".join(
+                f"{s.entry}" + (f" (from {owners[s.entry]})" if owners[s.entry] else "") + f" would shadow {s.owner}"
+                for s in shadows
+            )
+            raise PackageInstallError(
+                f"install_package refused {spec.text!r}: {shown}, which the kernel itself runs on (it would import "
+                "the installed copy instead of its own). Nothing was installed; use a separate Python environment "
+                "outside ipyfence for code that needs it."
+            )
+
+    async def list_packages(self) -> str:
+        return await asyncio.to_thread(render_listing, self.settings.packages_dir)
+
+    async def uninstall(self, package_name: str) -> str:
+        """Remove one distribution (or hand-made module) from the package dir, then refresh the kernel."""
+        check_name(package_name)
+        async with self._lock, self.session.lock:
+            removed = await asyncio.to_thread(uninstall, self.settings.packages_dir, package_name)
+            text = f"Removed {removed.what} from this workspace's package dir."
+            if removed.shadows:
+                left = ", ".join(f"{s.entry} (shadows {s.owner})" for s in removed.shadows)
+                text += f" Still shadowing the kernel's runtime: {left}."
+            try:
+                alive = await self.session.kernel.km.is_alive()
+            except KernelError:
+                alive = False
+            if alive:
+                await self._refresh_kernel()
+                return text + " The running kernel keeps modules it already imported until reset()."
+            try:
+                await self.session.replace_kernel()
+            except KernelStartError as exc:
+                explained = await self.explain_start_failure(exc) or str(exc)
+                return text + f" The kernel still cannot start: {explained}"
+            return text + " The kernel could not run before; a new kernel is running now (variables were lost)."
+
+    async def explain_start_failure(self, exc: KernelError) -> str | None:
+        """Why a kernel could not start, when the package dir is the cause (None: it is not)."""
+        diagnosis = await diagnose(self.settings, self.session.factory.runtime_root, self.session.factory.cgroups)
+        if not diagnosis.broken_by_dir:
+            return None
+        return (
+            f"the sandboxed kernel could not start because of the package dir: {diagnosis.describe()} "
+            f"uninstall_package starts a new kernel once the package dir is repaired. (The start-up error was: "
+            f"{last_error(str(exc))})"
+        )
 
     async def _pip(
         self, spec: PackageSpec, work: Path, options: list[str], specs: list[str], writable: tuple[Path, ...]
@@ -216,6 +331,31 @@ def _pin(item: dict[str, Any]) -> str:
     if info.get("subdirectory"):
         url += f"#subdirectory={info['subdirectory']}"
     return f"{name} @ {url}"
+
+
+def _under(path: str, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base + os.sep)
+
+
+def _refuse_runtime_items(spec: PackageSpec, items: list[dict[str, Any]], packages_dir: Path) -> None:
+    """A runtime distribution in pip's plan means the constraints did not hold: refuse, never install it."""
+    runtime = runtime_dists()
+    clash = [
+        f"{it['metadata']['name']} {it['metadata']['version']} (the kernel runs on {runtime[n].why()})"
+        for it in items
+        if (n := canonicalize_name(it["metadata"]["name"])) in runtime
+    ]
+    if clash:
+        # pip installs one only when the copy it sees first differs: an older install in the package dir.
+        stale = [d.name for d in list_installed(packages_dir)[0] if canonicalize_name(d.name) in runtime]
+        hint = ""
+        if stale:
+            hint = f" The package dir holds its own copy of {', '.join(stale)}: remove it with uninstall_package."
+        raise PackageInstallError(
+            f"install_package refused {spec.text!r}: pip chose {', '.join(clash)}, part of ipyfence's kernel "
+            f"runtime, which installed packages may not replace. Nothing was installed.{hint}"
+        )
 
 
 def _already_satisfied(spec: PackageSpec, packages_dir: Path) -> str:

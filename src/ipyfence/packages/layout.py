@@ -27,7 +27,7 @@ class Replaced:
     old_version: str
 
 
-def _dist_name_version(dist_info: Path) -> tuple[str, str]:
+def dist_name_version(dist_info: Path) -> tuple[str, str]:
     stem = dist_info.name[: -len(".dist-info")]
     name, _, version = stem.partition("-")
     return canonicalize_name(name), version
@@ -37,7 +37,7 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _record_paths(dist_info: Path, root: str) -> list[str]:
+def record_paths(dist_info: Path, root: str) -> list[str]:
     """Files an installed distribution owns, as absolute paths inside ``root``."""
     try:
         with open(dist_info / "RECORD", newline="", encoding="utf-8", errors="replace") as f:
@@ -58,9 +58,9 @@ def _record_paths(dist_info: Path, root: str) -> list[str]:
     return found
 
 
-def _remove_dist(dist_info: Path, root: str) -> None:
+def remove_dist(dist_info: Path, root: str) -> None:
     parents: set[str] = set()
-    for path in _record_paths(dist_info, root):
+    for path in record_paths(dist_info, root):
         if _inside(os.path.realpath(os.path.dirname(path)), root) and (os.path.islink(path) or os.path.isfile(path)):
             os.unlink(path)
             parents.add(os.path.dirname(path))
@@ -100,12 +100,12 @@ def _merge(src: Path, dst: Path) -> None:
 def install_staged(staging: Path, packages_dir: Path) -> list[Replaced]:
     """Replace older copies of the staged distributions, then move the staging tree in."""
     root = os.path.realpath(packages_dir)
-    staged = {_dist_name_version(p)[0] for p in staging.glob("*.dist-info") if not p.is_symlink()}
+    staged = {dist_name_version(p)[0] for p in staging.glob("*.dist-info") if not p.is_symlink()}
     replaced: list[Replaced] = []
     for old in sorted(packages_dir.glob("*.dist-info")):
-        name, version = _dist_name_version(old)
+        name, version = dist_name_version(old)
         if name in staged and not old.is_symlink():
-            _remove_dist(old, root)
+            remove_dist(old, root)
             replaced.append(Replaced(name, version))
     _merge(staging, packages_dir)
     return replaced

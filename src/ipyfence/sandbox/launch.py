@@ -45,7 +45,8 @@ def kernel_paths(settings: Settings, kernel_dir: Path, runtime_root: Path) -> Sa
 def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[str, str]:
     """The minimal environment a kernel needs, then the user's KERNEL_ENV_ set.
 
-    User variables may override anything except ``IPYFENCE_*``, which wire up the bridge.
+    User variables may override anything except ``IPYFENCE_*``, which wire up the bridge,
+    and ``PATH``/``PYTHONPATH``, which they extend (``merge_search_paths``).
     """
     bindir = os.path.dirname(sys.executable)
     env = {
@@ -62,11 +63,35 @@ def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[st
         "TERM": "dumb",
         # ipykernel forces colour (TERM=xterm-color, FORCE_COLOR, ...); this undoes it before any cell.
         "PYTHONSTARTUP": str(Path(__file__).resolve().parents[1] / "kernel_plain_env.py"),
+        # No network in here: a pip started from a cell fails at once instead of retrying (pipguard).
+        "PIP_NO_INDEX": "1",
+        "PIP_RETRIES": "0",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     }
-    env.update({k: v for k, v in settings.kernel_env.items() if not k.startswith("IPYFENCE_")})
+    user = {k: v for k, v in settings.kernel_env.items() if not k.startswith("IPYFENCE_")}
+    env.update(user | merge_search_paths(env, user))
     env["IPYFENCE_BRIDGE_SOCKET"] = str(kernel_dir / BRIDGE_SOCKET)
     env["IPYFENCE_BRIDGE_TOKEN"] = bridge_token
     return env
+
+
+def merge_search_paths(base: Mapping[str, str], user: Mapping[str, str]) -> dict[str, str]:
+    """KERNEL_ENV_PATH / KERNEL_ENV_PYTHONPATH add to the kernel's paths instead of replacing them.
+
+    PYTHONPATH: ipyfence's entries (the package dir first) then the user's. PATH: the server's
+    bindir (the kernel's own python and pip) first, then the user's entries, then the system
+    directories. Empty entries are dropped (an empty entry means the current directory) and
+    duplicates keep their first place.
+    """
+    merged: dict[str, str] = {}
+    for key, keep_first in (("PYTHONPATH", None), ("PATH", 1)):
+        if key not in user:
+            continue
+        ours = [p for p in base.get(key, "").split(os.pathsep) if p]
+        theirs = [p for p in user[key].split(os.pathsep) if p]
+        cut = len(ours) if keep_first is None else keep_first
+        merged[key] = os.pathsep.join(dict.fromkeys([*ours[:cut], *theirs, *ours[cut:]]))
+    return merged
 
 
 def find_bwrap() -> str:
@@ -123,4 +148,7 @@ def parent_guard(argv: Sequence[str], parent_pid: int) -> list[str]:
 
 
 def kernel_argv(connection_file: Path) -> list[str]:
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file)]
+    # pipguard: %pip / !pip install answer with a pointer to install_package (idempotent, so a
+    # trusted start-up step may install it as well).
+    guard = "--IPKernelApp.extra_extensions=ipyfence.pipguard"
+    return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file), guard]

@@ -9,6 +9,11 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipyfence.settings import Settings
 
 PROBE_TIMEOUT = 15.0
 
@@ -83,6 +88,47 @@ def checks(platform: str = sys.platform) -> list[Check]:
         )
     found.append(check_tool("rg", "sudo apt-get install ripgrep (needed by srt)", required=False))
     return found
+
+
+def check_packages(settings: Settings) -> Check:
+    """Does the kernel's runtime still import with the workspace's package dir first on the path?
+
+    Imports run in the sandbox the kernel would get (installed code is untrusted); when no
+    sandbox can be built, only the static look at the directory's files is reported.
+    """
+    import asyncio
+    import shutil as _shutil
+    import tempfile
+
+    from ipyfence.packages.runtime_check import diagnose
+
+    name = "package dir"
+    if not settings.packages_dir.is_dir():
+        return Check(name, True, f"{settings.packages_dir} (nothing installed yet)")
+    root = Path(tempfile.mkdtemp(prefix="ipyfence-doctor-"))
+    try:
+        found = asyncio.run(diagnose(settings, root))
+    finally:
+        _shutil.rmtree(root, ignore_errors=True)
+    how = "imports checked in the sandbox" if found.with_dir is not None else "files checked (no sandbox to import in)"
+    if not found.problems and (found.with_dir is None or found.with_dir.healthy):
+        return Check(name, True, f"{settings.packages_dir}: the kernel's runtime is not shadowed ({how})")
+    if not found.problems:
+        assert found.with_dir is not None
+        return Check(
+            name,
+            False,
+            f"the kernel's runtime does not import cleanly, and not because of the package dir: "
+            f"{found.with_dir.summary()}",
+            "reinstall ipyfence (the server's own environment is damaged), or check KERNEL_ENV_PYTHONPATH",
+        )
+    fixes = found.fixes()
+    fix = (
+        "call " + ", then ".join(fixes) + " from the agent"
+        if fixes
+        else "call list_packages() and uninstall_package(name) for the package that broke it"
+    )
+    return Check(name, False, found.describe(), fix + f", or delete {settings.packages_dir} to start afresh")
 
 
 def require_bwrap() -> None:
