@@ -99,3 +99,13 @@ def text_of(result: Any) -> str:
 async def run_cell(client: Client, code: str, **kw: Any) -> tuple[str, bool]:
     result = await client.call_tool("execute_ipython_cell", {"code": code, **kw})
     return text_of(result), bool(result.is_error)
+
+
+def allow_unix_sockets(tmp_path: Path) -> tuple[str, ...]:
+    """CLI args for a policy that lets the kernel create unix sockets (``network.allowAllUnixSockets``).
+
+    By default the kernel cannot create any after start-up; tests that attack the host-side bridge
+    rules with raw sockets need this to reach the bridge at all."""
+    cfg = tmp_path / "allow-unix.json"
+    cfg.write_text('{"network": {"allowAllUnixSockets": true}}')
+    return ("--sandbox-config", str(cfg))

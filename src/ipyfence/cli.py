@@ -8,7 +8,6 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +229,7 @@ def render_policy_report(settings: Settings) -> str:
     from ipyfence.launcher import KERNEL_OPTIONS
     from ipyfence.sandbox.launch import base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 
-    runtime_root = Path(tempfile.gettempdir()) / "ipyfence-<uid>" / "ipyfence-XXXXXXXX"  # see runtime.py
+    runtime_root = Path("/var/tmp/ipyfence-<uid>/ipyfence-XXXXXXXX")  # see runtime.private_parent
     kernel_dir = runtime_root / "k1"
     env = base_env(settings, kernel_dir, "<per-kernel-token>")
     paths = kernel_paths(settings, kernel_dir, runtime_root)
@@ -257,6 +256,8 @@ def render_policy_report(settings: Settings) -> str:
             "readonly": list(launch.plan.readonly),
             "reallowed": list(launch.plan.reallowed),
             "placeholders": [*launch.plan.absent_files, *launch.plan.absent_dirs],
+            "proc_readonly (always)": list(launch.plan.proc_readonly),
+            "proc_masked (always)": list(launch.plan.proc_masked),
             "warnings": list(launch.plan.warnings),
         }
     argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv

@@ -13,3 +13,9 @@ for _name in ("CLICOLOR", "FORCE_COLOR", "CLICOLOR_FORCE", "PYTHONSTARTUP"):
     _os.environ.pop(_name, None)
 _os.environ["TERM"] = "dumb"
 del _os, _name
+
+# Then the rest of the trusted start-up: into the workspace, the bridge connection, the seccomp filter.
+from ipyfence.kernel_boot import after_start as _after_start  # noqa: E402
+
+_after_start()
+del _after_start

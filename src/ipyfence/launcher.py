@@ -150,7 +150,7 @@ class KernelFactory:
             try:
                 await km.start_kernel(
                     env=launch.env,
-                    cwd=str(self.settings.workspace),
+                    cwd=str(kernel_dir),  # never the workspace: see kernel_boot
                     stdin=lifeline_in,
                     stdout=log_file,
                     stderr=log_file,

@@ -6,11 +6,11 @@ start removes what dead servers left behind.
 
 Shared temp dirs belong to every local user: anything named ``/tmp/ipyfence-*`` may have been made
 by someone else. So runtime dirs live in a private parent — ``$XDG_RUNTIME_DIR/ipyfence`` when that
-is ours, else ``<tmp>/ipyfence-<uid>`` — created 0700 and verified (a real directory, owned by us,
-no group/other access) before use. Clean-up looks only inside that parent, only at entries we own,
-reads their files without following links and removes them with ``rmtree`` (which does not follow
-links). If the parent is not ours (another user made it first), a fresh ``mkdtemp`` parent is used
-and nothing is cleaned.
+is ours, else ``/var/tmp/ipyfence-<uid>`` (or ``<tmp>/ipyfence-<uid>``) — created 0700 and verified
+(a real directory, owned by us, no group/other access) before use. Clean-up looks only inside that
+parent, only at entries we own, reads their files without following links and removes them with
+``rmtree`` (which does not follow links). If the parent is not ours (another user made it first),
+a fresh ``mkdtemp`` parent is used and nothing is cleaned.
 """
 
 from __future__ import annotations
@@ -62,20 +62,27 @@ def _ours(path: Path) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
 
 
-def private_parent() -> tuple[Path, bool]:
+def shared_tmp_dirs() -> list[Path]:
+    """Where the private parent may be made. /var/tmp before the temp dir: the kernel's writable
+    /tmp must not contain its own private dir (Landlock rules apply to everything beneath a path)."""
+    return list(dict.fromkeys([Path("/var/tmp"), Path(tempfile.gettempdir())]))
+
+
+def private_parent(bases: list[Path] | None = None) -> tuple[Path, bool]:
     """(the parent of runtime dirs, whether it is our shared private parent, i.e. safe to clean)."""
     candidates: list[Path] = []
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     if os.path.isabs(xdg) and _ours(Path(xdg)):
         candidates.append(Path(xdg) / "ipyfence")
-    candidates.append(Path(tempfile.gettempdir()) / f"{RUNTIME_PREFIX}{os.geteuid()}")
+    candidates += [base / f"{RUNTIME_PREFIX}{os.geteuid()}" for base in bases or shared_tmp_dirs() if base.is_dir()]
     for candidate in candidates:
         with contextlib.suppress(FileExistsError, OSError):
             os.mkdir(candidate, 0o700)
         if _ours(candidate):
             return candidate, True
         log.warning("not using %s for runtime files: it is not a private directory of this user", candidate)
-    return Path(tempfile.mkdtemp(prefix=f"{RUNTIME_PREFIX}{os.geteuid()}-")), False
+    base = (bases or shared_tmp_dirs())[0]
+    return Path(tempfile.mkdtemp(prefix=f"{RUNTIME_PREFIX}{os.geteuid()}-", dir=base)), False
 
 
 def _read_small(dir_fd: int, name: str) -> str:
@@ -125,9 +132,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def make_runtime_root() -> Path:
+def make_runtime_root(bases: list[Path] | None = None) -> Path:
     """This server's runtime dir (0700), after removing what dead servers left behind."""
-    parent, shared = private_parent()
+    parent, shared = private_parent(bases)
     if shared:
         remove_stale_runtime_dirs(parent)
     root = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX, dir=parent))

@@ -1,5 +1,9 @@
 """The tool bridge under attack from inside the sandboxed kernel, with a raw unix socket.
 
+By default the kernel cannot create a unix socket at all after start-up (kernel_boot's seccomp
+filter; tested in test_escape.py): these tests allow them (``allowAllUnixSockets``) to attack the
+bridge's own host-side rules, which must hold even then.
+
 - a 100 MB line without a hello is cut off after a small header: the server does not grow;
 - 50 silent connections do not stop a generated tool call;
 - a wrong token is refused, a token inside a request is refused;
@@ -19,7 +23,7 @@ from typing import Any
 import pytest
 
 from ipyfence.mcptools import protocol
-from tests.conftest import require_bwrap, require_srt, run_cell, text_of
+from tests.conftest import allow_unix_sockets, require_bwrap, require_srt, run_cell, text_of
 from tests.integration import procs
 
 PEER = str(Path(__file__).resolve().parents[1] / "peers" / "peer_server.py")
@@ -72,9 +76,11 @@ def require(mode: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("mode", list(MODES))
-async def test_a_100mb_line_without_hello_is_cut_off(make_client: Any, workspace: Path, mode: str) -> None:
+async def test_a_100mb_line_without_hello_is_cut_off(
+    make_client: Any, workspace: Path, mode: str, tmp_path: Path
+) -> None:
     require(mode)
-    async with make_client(*MODES[mode]) as client:
+    async with make_client(*MODES[mode], *allow_unix_sockets(tmp_path)) as client:
         await ok_cell(client, RAW)
         pid = procs.server_pid(str(workspace))
         before = vm_rss(pid)
@@ -98,9 +104,9 @@ async def test_a_100mb_line_without_hello_is_cut_off(make_client: Any, workspace
 
 
 @pytest.mark.anyio
-async def test_silent_connections_and_wrong_tokens_do_not_stop_real_calls(make_client: Any) -> None:
+async def test_silent_connections_and_wrong_tokens_do_not_stop_real_calls(make_client: Any, tmp_path: Path) -> None:
     require_bwrap()  # host-side rules: the srt and --no-sandbox runs of the 100 MB test cover those modes
-    async with make_client(env={"PEER_SECRET": "x"}) as client:
+    async with make_client(*allow_unix_sockets(tmp_path), env={"PEER_SECRET": "x"}) as client:
         result = await client.call_tool(
             "register_mcp_server", {"server_name": "peer", "server_params": {"command": sys.executable, "args": [PEER]}}
         )
@@ -167,9 +173,9 @@ socket.socket = real_socket
 
 
 @pytest.mark.anyio
-async def test_preconnect_shares_one_connection_and_fails_clearly(make_client: Any) -> None:
-    require_bwrap()
-    async with make_client(env={"PEER_SECRET": "x"}) as client:
+async def test_preconnect_shares_one_connection_and_fails_clearly(make_client: Any, tmp_path: Path) -> None:
+    require_bwrap()  # unix sockets allowed: this test stands in for the start-up lockdown itself
+    async with make_client(*allow_unix_sockets(tmp_path), env={"PEER_SECRET": "x"}) as client:
         result = await client.call_tool(
             "register_mcp_server", {"server_name": "peer", "server_params": {"command": sys.executable, "args": [PEER]}}
         )

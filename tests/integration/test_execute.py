@@ -202,12 +202,12 @@ async def test_invalid_arguments_are_tool_errors(make_client: Any, args: dict[st
 async def test_no_kernel_left_after_client_disconnects(make_client: Any, workspace: Path) -> None:
     require_bwrap()
     async with make_client() as client:
-        text, err = await run_cell(client, "import os\nprint(os.environ['HOME'])")
+        text, err = await run_cell(client, "import os\nprint(os.environ['IPYFENCE_BRIDGE_SOCKET'])")
         assert not err
-        runtime_root = str(Path(text.strip()).parent.parent)  # <runtime_root>/k1/home
+        runtime_root = str(Path(text.strip()).parent.parent)  # <runtime_root>/k1/bridge.sock
         await client.call_tool("reset", {})  # a second kernel (and a standby) to clean up too
         before = processes_matching(str(workspace), runtime_root)
-        assert any("ipykernel_launcher" in line for line in before.values()), before
+        assert any("ipyfence.kernel_boot" in line for line in before.values()), before
         assert any("bwrap" in line for line in before.values()), before
     left = wait_until_gone(str(workspace), runtime_root)
     assert not left, f"processes left after disconnect: {left}"
@@ -225,7 +225,7 @@ def _start_server(workspace: Path, state_dir: Path) -> subprocess.Popen[bytes]:
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if any("ipykernel_launcher" in c for c in processes_matching(str(workspace)).values()):
+        if any("ipyfence.kernel_boot" in c for c in processes_matching(str(workspace)).values()):
             return proc
         time.sleep(0.2)
     proc.kill()

@@ -143,7 +143,7 @@ def test_runtime_dirs_never_trust_a_shared_tmp(tmp_path: Path, monkeypatch: pyte
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    monkeypatch.setattr(runtime, "shared_tmp_dirs", lambda: [tmp])
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     victim = tmp_path / "victim"
     victim.mkdir()

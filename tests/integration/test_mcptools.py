@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import require_bwrap, run_cell, text_of
+from tests.conftest import allow_unix_sockets, require_bwrap, run_cell, text_of
 
 PEER = str(Path(__file__).resolve().parents[1] / "peers" / "peer_server.py")
 TIME_SERVER = str(Path(sys.executable).with_name("mcp-server-time"))
@@ -279,7 +279,9 @@ async def test_bridge_refuses_everything_but_registered_tool_calls(
 ) -> None:
     require_bwrap()
     marker = tmp_path / "host-marker"
-    async with make_client(env={"PEER_SECRET": SECRET, "PEER_MARKER": str(marker)}) as client:
+    # Raw sockets allowed (allowAllUnixSockets): the bridge's own rules must hold even then.
+    unix = allow_unix_sockets(tmp_path)
+    async with make_client(*unix, env={"PEER_SECRET": SECRET, "PEER_MARKER": str(marker)}) as client:
         out, err = await register(client, "peer", peer_params())
         assert not err, out
         out = await ok_cell(client, BRIDGE_ATTACKS.replace("MARKER", repr(str(marker))))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,8 @@ def sample(pid: int) -> tuple[float, int]:
 
 
 def runtime_entries(pid: int) -> set[str]:
-    """What is in this server's runtime dir (/tmp/ipyfence-<uid>/ipyfence-*/), found through its server.pid file."""
-    for owner in Path(tempfile.gettempdir()).glob(f"ipyfence-{os.geteuid()}/ipyfence-*/server.pid"):
+    """What is in this server's runtime dir (/var/tmp/ipyfence-<uid>/ipyfence-*/), found through its server.pid file."""
+    for owner in Path("/var/tmp").glob(f"ipyfence-{os.geteuid()}/ipyfence-*/server.pid"):
         try:
             if int(owner.read_text()) == pid:
                 return {str(p.relative_to(owner.parent)) for p in owner.parent.rglob("*")}

@@ -164,8 +164,8 @@ def test_always_on_flags(tmp_path: Path, ws: Path) -> None:
     # the whole of / is read-only, before anything else is mounted over it
     ro = triples(opts, "--ro-bind")
     assert ro[0][1:] == ("/", "/")
-    # and the command comes last, in the workspace
-    assert argv[argv.index("--chdir") + 1] == str(ws)
+    # and the command comes last, started in its private dir (never the workspace: kernel_boot enters it later)
+    assert argv[argv.index("--chdir") + 1] == str(tmp_path / "rt" / "k1")
     assert argv[-3:] == ["python", "-m", "ipykernel_launcher"]
 
 

@@ -30,6 +30,9 @@ ALWAYS = (
     "ipyfence",
 )
 
+# Host directories the plan hides that bwrap replaces with private writable ones instead (render).
+PRIVATE_DIRS = frozenset({"/dev/shm"})
+
 CPU_GRACE = 5  # CPU seconds between SIGXCPU and SIGKILL, for a cell that ignores SIGXCPU
 
 # Mount operations at the same path apply in this order; parents always come first.
@@ -63,7 +66,8 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops: list[tuple[int, int, str, list[str]]] = []
     for p in (*plan.writable, *options.extra_writable):
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
-    for p in (*plan.hidden_dirs, *plan.absent_dirs):
+    hidden = [p for p in (*plan.hidden_dirs, *plan.absent_dirs) if p not in PRIVATE_DIRS]
+    for p in hidden:
         ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
     for p in (*plan.masked_files, *plan.absent_files):
         ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
@@ -76,7 +80,7 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops.append((_depth(k), _KERNEL, k, ["--bind", k, k]))
     ops.sort(key=lambda op: (op[0], op[1], op[2]))
     # Hidden dirs become read-only last, so that mount points inside them can still be made.
-    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *plan.absent_dirs)]
+    remounts = [["--remount-ro", p] for p in hidden]
     return [op[3] for op in ops] + remounts
 
 
@@ -117,12 +121,21 @@ def render(
     for key in sorted(env):
         cmd += ["--setenv", key, env[key]]
     cmd += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for p in plan.proc_readonly:  # always on: see plan.PROC_READONLY
+        cmd += ["--ro-bind", p, p]
+    for p in plan.proc_masked:
+        cmd += ["--ro-bind", "/dev/null", p]
     if policy.limits.tmp_size_mb:
         cmd += ["--size", str(policy.limits.tmp_size_mb * 1024 * 1024)]
     cmd += ["--tmpfs", "/tmp"]
+    # A private, sized /dev/shm (POSIX semaphores and shared memory work; --dev already hides the host's).
+    if policy.limits.tmp_size_mb:
+        cmd += ["--size", str(policy.limits.tmp_size_mb * 1024 * 1024)]
+    cmd += ["--tmpfs", "/dev/shm"]
     for op in _mount_ops(plan, paths, options):
         cmd += op
-    cmd += ["--chdir", str(paths.workspace), "--"]
+    # Start in the private dir: nothing in the workspace is imported before user code (kernel_boot).
+    cmd += ["--chdir", str(paths.kernel_dir), "--"]
     if options.die_with_stdin:
         cmd += ["/bin/sh", "-c", STDIN_WATCH, "ipyfence-watch"]
     cmd += [*limits_prefix(policy.limits), *argv]

@@ -5,6 +5,7 @@ This is where rendering meets the machine (paths, which binary). It never spawns
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -13,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipyfence.errors import SandboxUnavailableError
+from ipyfence.policy import is_glob
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.plan import MountPlan, SandboxPaths, default_server_install, plan_mounts
 from ipyfence.settings import Settings, platform_backend
 
 BRIDGE_SOCKET = "bridge.sock"
+BWRAP_PRIVATE = "/tmp/.ipyfence"  # inside the sandbox: HOME, IPYTHONDIR, … on the private /tmp
+KERNEL_CONFIG_ENV = "IPYFENCE_KERNEL"  # read by kernel_boot
 
 
 @dataclass(frozen=True)
@@ -49,15 +53,20 @@ def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[st
     and ``PATH``/``PYTHONPATH``, which they extend (``merge_search_paths``).
     """
     bindir = os.path.dirname(sys.executable)
+    backend = platform_backend(settings) if settings.sandbox else "none"
+    # bwrap: the kernel's own files live in the sized private /tmp (a tmpfs), never on the host
+    # disk; the host-disk private dir then holds only the connection file and sockets.
+    private = Path(BWRAP_PRIVATE) if backend == "bwrap" else kernel_dir
+    dirs = {"HOME": private / "home", "IPYTHONDIR": private / "ipython", "MPLCONFIGDIR": private / "mpl"}
+    dirs["JUPYTER_RUNTIME_DIR"] = private / "jupyter"
     env = {
         "PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin",
         "LANG": os.environ.get("LANG", "C.UTF-8"),
-        "HOME": str(kernel_dir / "home"),
+        **{key: str(path) for key, path in dirs.items()},
         "TMPDIR": "/tmp",
-        "IPYTHONDIR": str(kernel_dir / "ipython"),
-        "MPLCONFIGDIR": str(kernel_dir / "mpl"),
-        "JUPYTER_RUNTIME_DIR": str(kernel_dir / "jupyter"),
-        "PYTHONPATH": os.pathsep.join([str(settings.packages_dir), str(settings.workspace)]),
+        # The workspace joins sys.path only after start-up (kernel_boot), never before.
+        "PYTHONPATH": str(settings.packages_dir),
+        "PYTHONSAFEPATH": "1",
         "PYTHONNOUSERSITE": "1",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         "TERM": "dumb",
@@ -72,7 +81,24 @@ def base_env(settings: Settings, kernel_dir: Path, bridge_token: str) -> dict[st
     env.update(user | merge_search_paths(env, user))
     env["IPYFENCE_BRIDGE_SOCKET"] = str(kernel_dir / BRIDGE_SOCKET)
     env["IPYFENCE_BRIDGE_TOKEN"] = bridge_token
+    env[KERNEL_CONFIG_ENV] = json.dumps(kernel_config(settings, kernel_dir, backend, [str(d) for d in dirs.values()]))
     return env
+
+
+def kernel_config(settings: Settings, kernel_dir: Path, backend: str, private_dirs: list[str]) -> dict[str, object]:
+    """What the kernel's trusted start-up (kernel_boot) needs: nothing secret."""
+    fs = settings.policy.filesystem
+    writable = [str(settings.workspace), *(p for p in fs.allow_write if not is_glob(p)), "/tmp", "/dev"]
+    if backend != "bwrap":  # srt: the kernel's own files stay in its private dir
+        writable += [*private_dirs, str(kernel_dir / "tmp")]
+    return {
+        "workspace": str(settings.workspace),
+        "private_dirs": private_dirs,
+        "lockdown": settings.sandbox,
+        "writable": list(dict.fromkeys(writable)),
+        "sockets": [str(kernel_dir)],  # only its ZMQ sockets may be created there
+        "allow_unix_sockets": settings.policy.network.allow_all_unix_sockets,
+    }
 
 
 def merge_search_paths(base: Mapping[str, str], user: Mapping[str, str]) -> dict[str, str]:
@@ -151,4 +177,5 @@ def kernel_argv(connection_file: Path) -> list[str]:
     # pipguard: %pip / !pip install answer with a pointer to install_package (idempotent, so a
     # trusted start-up step may install it as well).
     guard = "--IPKernelApp.extra_extensions=ipyfence.pipguard"
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file), guard]
+    # kernel_boot (the server's read-only install) locks the kernel down, then runs ipykernel_launcher.
+    return [sys.executable, "-m", "ipyfence.kernel_boot", "-f", str(connection_file), guard]

@@ -62,6 +62,19 @@ def placeholder_names() -> frozenset[str]:
     return frozenset({*ROOT_PLACEHOLDER_DIRS, *ROOT_PLACEHOLDER_FILES, *HOME_PLACEHOLDER_FILES})
 
 
+# Always on: /proc paths through which root in the sandbox (a user namespace mapped to host root)
+# could change the host — bwrap's fresh /proc leaves /proc/sys writable — and files that show host
+# kernel memory, keys or timers. Only those that exist are used (their names vary by kernel).
+PROC_READONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+PROC_MASKED = (
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/timer_list",
+    "/proc/sched_debug",
+    "/proc/kallsyms",
+)
+
 # Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
@@ -95,6 +108,8 @@ class MountPlan:
     warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
     absent_files: tuple[str, ...] = ()  # protected names that do not exist: read-only empty placeholders
     absent_dirs: tuple[str, ...] = ()  # same, for directories
+    proc_readonly: tuple[str, ...] = ()  # /proc paths that change the host: read-only (always on)
+    proc_masked: tuple[str, ...] = ()  # /proc files that leak host state: masked (always on)
 
 
 def default_server_install() -> tuple[Path, ...]:
@@ -293,6 +308,8 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         warnings=tuple(warnings),
         absent_files=absent_files,
         absent_dirs=absent_dirs,
+        proc_readonly=tuple(p for p in PROC_READONLY if os.path.exists(p)),
+        proc_masked=tuple(p for p in PROC_MASKED if os.path.exists(p)),
     )
 
 
