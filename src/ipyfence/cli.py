@@ -227,6 +227,7 @@ def connect_command(settings: Settings) -> list[str]:
 def render_policy_report(settings: Settings) -> str:
     """The effective policy (srt format) and the exact kernel launch command, without starting anything."""
     from ipyfence.launcher import KERNEL_OPTIONS
+    from ipyfence.sandbox.bwrap import ARGS_FD
     from ipyfence.sandbox.launch import base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 
     runtime_root = Path("/var/tmp/ipyfence-<uid>/ipyfence-XXXXXXXX")  # see runtime.private_parent
@@ -260,19 +261,26 @@ def render_policy_report(settings: Settings) -> str:
             "proc_masked (always)": list(launch.plan.proc_masked),
             "warnings": list(launch.plan.warnings),
         }
-    argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv
+    args_path = str(runtime_root / "k1.args") if launch.args else "-"
+    argv = parent_guard(launch.argv, 0, args_path) if settings.sandbox else launch.argv
     shown = _redact_env(argv, settings)
     if settings.sandbox:
         shown[shown.index("ipyfence-guard") + 1] = "<server-pid>"
     note = "# (when per-kernel cgroups are available, a shell that joins them runs before bwrap)\n"
-    return json.dumps(report, indent=2) + "\n\n# kernel launch command\n" + note * settings.sandbox + shlex.join(shown)
+    text = json.dumps(report, indent=2) + "\n\n# kernel launch command\n" + note * settings.sandbox + shlex.join(shown)
+    if launch.args:
+        pairs = _redact_env(launch.args.decode().split("\0")[:-1], settings)
+        lines = [shlex.join(pairs[i : i + 3]) for i in range(0, len(pairs), 3)]
+        text += f"\n\n# {args_path} (0600, read by bwrap on fd {ARGS_FD} for --args; never on a command line)\n"
+        text += "\n".join(lines)
+    return text
 
 
 def _redact_env(argv: list[str], settings: Settings) -> list[str]:
-    """Never print KERNEL_ENV_ values (``--setenv KEY VALUE``): they are secrets more often than not."""
+    """Never print KERNEL_ENV_ values or the bridge token (``--setenv KEY VALUE``)."""
     shown = list(argv)
     for i, arg in enumerate(argv[:-2]):
-        if arg == "--setenv" and argv[i + 1] in settings.kernel_env:
+        if arg == "--setenv" and (argv[i + 1] in settings.kernel_env or argv[i + 1] == "IPYFENCE_BRIDGE_TOKEN"):
             shown[i + 2] = "<redacted>"
     return shown
 

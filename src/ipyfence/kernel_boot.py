@@ -167,5 +167,13 @@ def after_start() -> None:
     seccomp(deny_unix_sockets=block_unix)
 
 
+def exec_filtered(argv: list[str]) -> None:
+    """``--exec -- CMD …``: the seccomp filter (no keyring, no unix sockets), then exec CMD."""
+    seccomp(deny_unix_sockets=True)
+    os.execvp(argv[0], argv)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:3] == ["--exec", "--"] and len(sys.argv) > 3:
+        exec_filtered(sys.argv[3:])
     main()

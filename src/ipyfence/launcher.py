@@ -29,7 +29,7 @@ from ipyfence.runtime import PLACEHOLDERS_FILE, make_runtime_root, remove_placeh
 from ipyfence.sandbox import integrity
 from ipyfence.sandbox.bwrap import LaunchOptions
 from ipyfence.sandbox.cgroups import Cgroups, Events, KernelGroups
-from ipyfence.sandbox.launch import Launch, base_env, build_launch, kernel_argv, kernel_paths, parent_guard
+from ipyfence.sandbox.launch import Launch, args_file, base_env, build_launch, kernel_argv, kernel_paths, parent_guard
 from ipyfence.sandbox.plan import MountPlan
 from ipyfence.settings import Settings
 
@@ -133,7 +133,7 @@ class KernelFactory:
         groups = self._groups(f"k{n}")
         argv = groups.wrap(launch.argv) if groups is not None else launch.argv
         if self.settings.sandbox:
-            argv = parent_guard(argv, os.getpid())
+            argv = parent_guard(argv, os.getpid(), args_file(launch, self.runtime_root / f"k{n}.args"))
         km = _SandboxedKernelManager(
             transport="ipc",
             ip=str(kernel_dir / "zmq"),

@@ -50,7 +50,7 @@ from ipyfence.packages.runtime_check import CheckResult, check_runtime, diagnose
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
-from ipyfence.sandbox.launch import build_launch, kernel_paths
+from ipyfence.sandbox.launch import args_file, build_launch, kernel_paths, sandboxed_exec, with_args_fd
 from ipyfence.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -214,9 +214,14 @@ class PackageInstaller:
             network=True, extra_writable=tuple(str(p) for p in (self.cache_dir, *writable))
         )
         # "--" ends pip's options: a validated spec can never be read as one.
-        argv = [sys.executable, "-m", "pip", "install", "--quiet", *options, "--", *specs]
+        # "-P" and the private cwd: a pip/ or pip.py planted in the workspace is never imported; the
+        # seccomp step (kernel_boot --exec) keeps build code from the keyring and from unix sockets
+        # (the host's abstract sockets are reachable from pip's network namespace otherwise).
+        pip = [sys.executable, "-P", "-m", "pip", "install", "--quiet", *options, "--", *specs]
+        argv = sandboxed_exec(pip) if self.settings.sandbox else pip
         launch = build_launch(self.settings, paths, env, argv, options=launch_options)
-        code, output = await _run(launch.argv, launch.env, self.settings.workspace, PIP_TIMEOUT)
+        argv = with_args_fd(launch.argv, args_file(launch, work.parent / f"{work.name}.args"))
+        code, output = await _run(argv, launch.env, work, PIP_TIMEOUT)
         if code != 0:
             where = "" if launch.backend == "none" else f" (in the {launch.backend} sandbox)"
             raise PackageInstallError(

@@ -31,7 +31,7 @@ from ipyfence.packages.manage import owner_of, tops_of
 from ipyfence.packages.runtime_pins import Shadow, shadowing, top_level_names
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.cgroups import Cgroups
-from ipyfence.sandbox.launch import base_env, build_launch, kernel_paths
+from ipyfence.sandbox.launch import args_file, base_env, build_launch, kernel_paths, with_args_fd
 from ipyfence.sandbox.plan import default_server_install
 from ipyfence.settings import Settings
 
@@ -149,7 +149,8 @@ async def check_runtime(
             build_launch, settings, paths, env, [sys.executable, "-c", CHECK_SCRIPT], options=options
         )
         argv = groups.wrap(launch.argv) if groups is not None else launch.argv
-        code, output = await _run(argv, launch.env, settings.workspace, lifeline=launch.backend == "bwrap")
+        argv = with_args_fd(argv, args_file(launch, work.parent / f"{work.name}.args"))
+        code, output = await _run(argv, launch.env, work, lifeline=launch.backend == "bwrap")
     finally:
         if groups is not None:
             await asyncio.to_thread(groups.remove)

@@ -140,3 +140,28 @@ def render(
         cmd += ["/bin/sh", "-c", STDIN_WATCH, "ipyfence-watch"]
     cmd += [*limits_prefix(policy.limits), *argv]
     return cmd
+
+
+ARGS_FD = 9  # bwrap reads its --setenv pairs from this descriptor (opened by launch.parent_guard)
+
+
+def move_env_to_args_fd(argv: Sequence[str]) -> tuple[list[str], bytes]:
+    """Take every ``--setenv KEY VALUE`` out of ``argv`` into NUL-separated bytes for ``--args FD``.
+
+    ``/proc/PID/cmdline`` is readable by every local user: KERNEL_ENV_ values and the bridge token
+    must not be there. bwrap reads the pairs from the descriptor at the place of ``--args``.
+    """
+    out: list[str] = []
+    pairs: list[str] = []
+    i = 0
+    end = argv.index("--") if "--" in argv else len(argv)
+    while i < len(argv):
+        if i < end and argv[i] == "--setenv":
+            if not pairs:
+                out += ["--args", str(ARGS_FD)]
+            pairs += argv[i : i + 3]
+            i += 3
+            continue
+        out.append(argv[i])
+        i += 1
+    return out, b"".join(p.encode() + b"\0" for p in pairs)

@@ -32,6 +32,7 @@ class Launch:
     env: dict[str, str]  # environment for the outermost process
     plan: MountPlan | None  # None when unsandboxed
     backend: str  # "bwrap", "srt" or "none"
+    args: bytes = b""  # bwrap's --setenv pairs, read from a 0600 file on fd bwrap.ARGS_FD (never on argv)
 
 
 def kernel_paths(settings: Settings, kernel_dir: Path, runtime_root: Path) -> SandboxPaths:
@@ -158,19 +159,48 @@ def build_launch(
     plan = plan_mounts(settings.policy, paths)
     cmd = bwrap.render(settings.policy, plan, paths, env, argv, bwrap=find_bwrap(), options=options)
     # bwrap itself gets a minimal environment: --clearenv resets it for the kernel anyway.
-    return Launch(argv=cmd, env={"PATH": "/usr/bin:/bin"}, plan=plan, backend="bwrap")
+    cmd, args = bwrap.move_env_to_args_fd(cmd)
+    return Launch(argv=cmd, env={"PATH": "/usr/bin:/bin"}, plan=plan, backend="bwrap", args=args)
 
 
 # Exits unless the process that spawned us is still our parent: run right after setpriv has
 # set the parent-death signal, it closes the race in which the server dies before bwrap's own
 # --die-with-parent is in place (the orphan would otherwise never get the signal).
-_PARENT_GUARD = 'read -r _ _ _ ppid _ < /proc/$$/stat; [ "$ppid" = "$1" ] || exit 125; shift; exec "$@"'
+# With an args file ($2, not "-"), it is opened on bwrap's --args descriptor for the command.
+_PARENT_GUARD = (
+    'read -r _ _ _ ppid _ < /proc/$$/stat; [ "$ppid" = "$1" ] || exit 125; args="$2"; shift 2; '
+    f'[ "$args" = - ] && exec "$@"; exec "$@" {bwrap.ARGS_FD}<"$args"'
+)
 
 
-def parent_guard(argv: Sequence[str], parent_pid: int) -> list[str]:
-    """``argv`` that dies with ``parent_pid`` even if it dies while we are still starting."""
+def parent_guard(argv: Sequence[str], parent_pid: int, args_file: str = "-") -> list[str]:
+    """``argv`` that dies with ``parent_pid`` even if it dies while we are still starting.
+
+    ``args_file`` (a 0600 file in the runtime root) is opened on bwrap's ``--args`` descriptor."""
     guard = ["setpriv", "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _PARENT_GUARD, "ipyfence-guard"]
-    return [*guard, str(parent_pid), *argv]
+    return [*guard, str(parent_pid), args_file, *argv]
+
+
+def args_file(launch: Launch, path: Path) -> str:
+    """Write the launch's bwrap ``--args`` pairs to ``path`` (0600, host-only); "-" when there are none."""
+    if not launch.args:
+        return "-"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(launch.args)
+    return str(path)
+
+
+def with_args_fd(argv: Sequence[str], args_path: str) -> list[str]:
+    """``argv`` with the args file open on bwrap's ``--args`` descriptor (for launches without a guard)."""
+    if args_path == "-":
+        return list(argv)
+    return ["/bin/sh", "-c", f'f="$1"; shift; exec "$@" {bwrap.ARGS_FD}<"$f"', "ipyfence-args", args_path, *argv]
+
+
+def sandboxed_exec(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind kernel_boot's seccomp step (no keyring, no unix sockets), e.g. for pip."""
+    return [sys.executable, "-P", "-m", "ipyfence.kernel_boot", "--exec", "--", *argv]
 
 
 def kernel_argv(connection_file: Path) -> list[str]:

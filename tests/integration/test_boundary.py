@@ -1,0 +1,183 @@
+"""Issue 11: holes in the boundary itself, attacked from inside the kernel as root.
+
+One server per mode runs every attack; each must fail sandboxed (bwrap) and succeed with
+``--no-sandbox`` (the control that shows the attack works). The server is started by a small
+wrapper that first joins a fresh session keyring holding a secret key, so the keyring attack has
+something real to read, exactly as a user's login keyring would be inherited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+
+from tests.conftest import IPYFENCE, require_bwrap, run_cell, server_env
+
+pytestmark = pytest.mark.anyio
+KEY_SECRET = f"key-{uuid.uuid4().hex[:12]}"
+
+# Joins a new session keyring with one `user` key, then becomes ipyfence (the keyring is inherited).
+WRAPPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+NR = {"x86_64": (250, 248), "aarch64": (219, 217)}[os.uname().machine]
+assert libc.syscall(NR[0], 1, None) >= 0, "KEYCTL_JOIN_SESSION_KEYRING failed"
+secret = sys.argv[1].encode()
+assert libc.syscall(NR[1], b"user", b"ipyfence-test", secret, len(secret), -3) >= 0, "add_key failed"
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+ATTACKS = r"""
+import ctypes, os, socket
+def attempt(name, fn):
+    try:
+        print(name, "SUCCEEDED", repr(fn())[:80])
+    except BaseException as exc:
+        print(name, "BLOCKED", type(exc).__name__, str(exc)[:120])
+def unix(path):
+    def go():
+        s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(path)
+        return s.recv(4)
+    return go
+def sysctl():
+    path = "/proc/sys/kernel/printk_ratelimit"
+    value = open(path).read()
+    with open(path, "w") as f:  # the same value back: nothing changes on the host
+        f.write(value)
+    return "wrote " + path
+def keyring():
+    libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long
+    search, read = {"x86_64": (250, 250), "aarch64": (219, 219)}[os.uname().machine]
+    key = libc.syscall(search, 10, -3, b"user", b"ipyfence-test", 0)
+    if key < 0:
+        raise PermissionError(os.strerror(ctypes.get_errno()))
+    buf = ctypes.create_string_buffer(256)
+    n = libc.syscall(read, 11, key, buf, 256)
+    if n < 0:
+        raise PermissionError(os.strerror(ctypes.get_errno()))
+    return buf.raw[:n].decode()
+def private_dir():
+    d = os.path.dirname(os.environ["IPYFENCE_BRIDGE_SOCKET"])
+    with open(os.path.join(d, "filler.bin"), "wb") as f:
+        f.write(b"x" * 1024)
+    return "wrote into " + d
+attempt("A1-unix-in-workspace", unix("agent.sock"))
+attempt("A2-unix-elsewhere", unix(HOME_SOCKET))
+attempt("A3-sysctl", sysctl)
+attempt("A4-keyring", keyring)
+attempt("A5-private-dir", private_dir)
+"""
+
+
+class Pong:
+    """A unix socket server that answers every connection with b'pong'."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.sendall(b"pong")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def sockets(workspace: Path, tmp_path: Path) -> Iterator[Path]:
+    home = tmp_path / "home" / ".ssh"  # like an ssh-agent socket under $HOME, outside any hidden dir
+    home.mkdir(parents=True)
+    servers = [Pong(workspace / "agent.sock"), Pong(home / "agent.sock")]
+    yield home / "agent.sock"
+    for server in servers:
+        server.close()
+
+
+async def _run(workspace: Path, state_dir: Path, home_socket: Path, *args: str) -> dict[str, str]:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-c", WRAPPER, KEY_SECRET, IPYFENCE, "--workspace", str(workspace), *args],
+        env=server_env(state_dir),
+    )
+    async with Client(params) as client:
+        text, err = await run_cell(client, ATTACKS.replace("HOME_SOCKET", repr(str(home_socket))))
+        assert not err, text
+    return {line.split()[0]: line for line in text.splitlines() if line.startswith("A")}
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_boundary_attacks(workspace: Path, state_dir: Path, sockets: Path, mode: str) -> None:
+    require_bwrap()
+    outcome = await _run(workspace, state_dir, sockets, *(("--no-sandbox",) if mode == "no-sandbox" else ()))
+    assert len(outcome) == 5, outcome
+    if mode == "sandboxed":
+        blocked = {k: v for k, v in outcome.items() if "BLOCKED" not in v}
+        assert not blocked, blocked
+        assert KEY_SECRET not in "".join(outcome.values())
+    else:
+        worked = {k: v for k, v in outcome.items() if "SUCCEEDED" not in v}
+        assert not worked, worked  # every attack works unsandboxed: the test can fail
+        assert KEY_SECRET in outcome["A4-keyring"]
+
+
+READER = r"""
+import os, sys
+found = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():  # not the needles on this reader's own command line
+        try:
+            data = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        found += [n for n in sys.argv[1:] if n.encode() in data]
+print(sorted(set(found)))
+"""
+
+
+def _read_cmdlines_as_nobody(*needles: str) -> list[str]:
+    """Which needles any process's command line shows to another local user (uid 65534)."""
+    import ast
+    import subprocess
+
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-I", "-c", READER]
+    out = subprocess.run([*argv, *needles], capture_output=True, text=True, timeout=60, check=True).stdout
+    return list(ast.literal_eval(out.strip()))
+
+
+async def test_secrets_are_not_on_any_command_line(make_client: Any) -> None:
+    import subprocess
+
+    require_bwrap()
+    secret = f"kernel-secret-{uuid.uuid4().hex[:10]}"
+    async with make_client(env={"KERNEL_ENV_API_TOKEN": secret}) as client:
+        text, err = await run_cell(
+            client, "import os; print(os.environ['API_TOKEN'], os.environ['IPYFENCE_BRIDGE_TOKEN'])"
+        )
+        assert not err and secret in text, text
+        token = text.split()[1]
+        await client.call_tool("reset", {})  # a second kernel and a standby: more command lines to read
+        assert _read_cmdlines_as_nobody(secret, token) == []
+    # Control: the same reader does see a secret that is on a command line.
+    visible = f"argv-secret-{uuid.uuid4().hex[:10]}"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", visible]) as proc:
+        try:
+            assert _read_cmdlines_as_nobody(visible) == [visible]
+        finally:
+            proc.kill()
