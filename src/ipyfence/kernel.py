@@ -67,12 +67,28 @@ class KernelSession:
         if standby is not None:
             try:
                 kernel = await standby
-                if await kernel.km.is_alive() and integrity_problem(kernel) is None:
+                if (
+                    await kernel.km.is_alive()
+                    and integrity_problem(kernel) is None
+                    and await self._plan_current(kernel)
+                ):
                     return kernel
                 await self.factory.stop(kernel)
             except Exception as exc:  # a failed standby must not block a reset
                 log.warning("standby kernel failed, starting a fresh one: %s", exc)
         return await self.factory.start()
+
+    async def _plan_current(self, kernel: RunningKernel) -> bool:
+        """Whether the standby's mounts still match the filesystem: a .env (or protected path) that
+        appeared since it was planned would otherwise be readable right after reset()."""
+        if kernel.launch.plan is None:
+            return True
+        paths = kernel_paths(self.settings, kernel.kernel_dir, self.factory.runtime_root)
+        try:
+            fresh = await asyncio.to_thread(plan_mounts, self.settings.policy, paths)
+        except Exception:
+            return False  # e.g. the scan no longer finishes: a fresh start reports it
+        return fresh == kernel.launch.plan
 
     async def replace_kernel(self) -> None:
         """Swap in a new kernel; the old one is killed in the background."""
@@ -167,7 +183,11 @@ class KernelSession:
             return None
         # Something changed: a fresh scan also finds secret files created deeper since the launch.
         paths = kernel_paths(self.settings, kernel.kernel_dir, self.factory.runtime_root)
-        fresh = await asyncio.to_thread(plan_mounts, self.settings.policy, paths)
+        try:
+            fresh = await asyncio.to_thread(plan_mounts, self.settings.policy, paths)
+        except Exception as exc:  # the scan no longer finishes: replace the kernel, whose start says why
+            log.warning("cannot re-scan the workspace: %s", exc)
+            return None
         deeper = [p for p in fresh.masked_files if p not in plan.masked_files and p not in new]
         done = await nsmask.mask_files(process.pid, [*new, *replaced, *deeper])
         if not done:

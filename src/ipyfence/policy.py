@@ -332,7 +332,17 @@ def resolve_entry(entry: str, workspace: Path, loc: str) -> str:
 
 
 def resolve_paths(policy: Policy, workspace: Path) -> Policy:
-    """Return ``policy`` with every filesystem entry made absolute against ``workspace``."""
+    """Return ``policy`` with every filesystem entry made absolute against ``workspace``.
+
+    Fails closed on a workspace (or home) whose path contains glob characters: joined with a pattern
+    like ``**/.env`` they would turn the deny rules into patterns that match nothing.
+    """
+    for base, what in ((str(workspace), "workspace"), (os.path.expanduser("~"), "home directory")):
+        if is_glob(base) and (what == "workspace" or any(e.startswith("~") for e in _all_entries(policy))):
+            raise PolicyError(
+                f"the {what} path {base!r} contains a glob character (* ? [): ipyfence cannot express its deny "
+                "rules (**/.env …) under it safely and refuses to start. Use a path without these characters."
+            )
     source = policy.sources[-1] if policy.sources else "policy"
     fs = policy.filesystem
     changes: dict[str, Any] = {}
@@ -345,6 +355,11 @@ def resolve_paths(policy: Policy, workspace: Path) -> Policy:
     net = policy.network
     sockets = tuple(resolve_entry(e, workspace, f"{source}: network.allowUnixSockets") for e in net.allow_unix_sockets)
     return replace(policy, filesystem=replace(fs, **changes), network=replace(net, allow_unix_sockets=sockets))
+
+
+def _all_entries(policy: Policy) -> list[str]:
+    fs = policy.filesystem
+    return [*fs.deny_read, *fs.allow_read, *fs.allow_write, *fs.deny_write, *policy.network.allow_unix_sockets]
 
 
 def _camel(name: str) -> str:

@@ -181,3 +181,32 @@ async def test_secrets_are_not_on_any_command_line(make_client: Any) -> None:
             assert _read_cmdlines_as_nobody(visible) == [visible]
         finally:
             proc.kill()
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_flooded_workspace_fails_closed_and_standby_is_replanned(
+    make_client: Any, workspace: Path, mode: str
+) -> None:
+    """A kernel floods the workspace so the next scan cannot finish, and hides a secret deeper; a
+    secret also appears on the host after the standby kernel was planned. Neither is readable."""
+    require_bwrap()
+    args = ("--no-sandbox",) if mode == "no-sandbox" else ()
+    async with make_client(*args) as client:
+        (workspace / "late").mkdir()
+        (workspace / "late" / ".env").write_text(f"LATE={KEY_SECRET}\n")  # after the standby was planned
+        await client.call_tool("reset", {})
+        text, _ = await run_cell(client, "print(open('late/.env').read())")
+        assert (KEY_SECRET in text) == (mode == "no-sandbox"), text
+    async with make_client(*args, env={"IPYFENCE_SCAN_LIMIT": "40"}) as client:
+        flood = "import os\nos.makedirs('flood', exist_ok=True)\nfor i in range(60): open(f'flood/{i}', 'w').close()\n"
+        text, err = await run_cell(
+            client, flood + f"os.makedirs('deep/x', exist_ok=True); open('deep/x/.env', 'w').write('S={KEY_SECRET}')"
+        )
+        assert not err, text
+        result = await client.call_tool("reset", {})
+        text, _ = await run_cell(client, "print(open('deep/x/.env').read())")
+        if mode == "sandboxed":
+            assert result.is_error and "IPYFENCE_SCAN_LIMIT" in str(result.content), result
+            assert KEY_SECRET not in text and "IPYFENCE_SCAN_LIMIT" in text, text
+        else:
+            assert KEY_SECRET in text, text  # the control: unmasked, the deeper secret is readable

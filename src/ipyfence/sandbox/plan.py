@@ -19,6 +19,7 @@ from typing import Any
 
 from wcmatch import glob as wcglob
 
+from ipyfence.errors import SandboxError
 from ipyfence.policy import Policy, is_glob
 
 # Paths that are always read-only inside writable roots, because writing them runs code on
@@ -79,7 +80,10 @@ PROC_MASKED = (
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
 
-SCAN_LIMIT = 200_000  # directory entries looked at per writable root before giving up (with a warning)
+# Directory entries looked at per writable root. A scan that cannot finish fails closed: the kernel
+# does not start (it could otherwise start with deeper .env files unmasked after a kernel flooded the
+# workspace). IPYFENCE_SCAN_LIMIT raises (or, in tests, lowers) it.
+SCAN_LIMIT = int(os.environ.get("IPYFENCE_SCAN_LIMIT", "") or 200_000)
 GLOB_FLAGS = wcglob.GLOBSTAR | wcglob.DOTGLOB | wcglob.FORCEUNIX
 
 
@@ -155,6 +159,17 @@ def _list_tree(root: str, limit: int) -> _Tree:
     return _Tree(tuple(entries), complete=True)
 
 
+def raise_incomplete(root: str, tree: _Tree) -> None:
+    """Fail closed: a scan that stopped early cannot say which secret files to mask."""
+    biggest = sorted(tree.entries, key=lambda e: len(e[1]) + len(e[2]), reverse=True)[:3]
+    where = ", ".join(f"{os.path.relpath(d, root)} ({len(ds) + len(fs)} entries)" for d, ds, fs in biggest)
+    raise SandboxError(
+        f"the workspace scan of {root} stopped after {SCAN_LIMIT} entries, so ipyfence cannot find every "
+        f".env file to mask and will not start a kernel without them. Largest directories seen: {where}. "
+        "Remove files there, or raise the limit with the environment variable IPYFENCE_SCAN_LIMIT."
+    )
+
+
 def _glob_base(pattern: str) -> str:
     """The longest leading directory of ``pattern`` without glob characters."""
     parts = pattern.split("/")
@@ -215,9 +230,7 @@ def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str])
                 if _matches(full, pats):
                     dirs.append(full)
         if not tree.complete:
-            warnings.append(
-                f"stopped scanning {base} after {SCAN_LIMIT} entries: files matching {pats} deeper in it are NOT masked"
-            )
+            raise_incomplete(base, tree)
     return files, dirs
 
 
@@ -284,7 +297,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     for root in writable:
         readonly += _protected_in(root, fs.allow_git_config, trees)
         if not trees(root).complete:
-            warnings.append(f"stopped scanning {root} after {SCAN_LIMIT} entries: deeper protected paths stay writable")
+            raise_incomplete(root, trees(root))
     readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     # The kernel runs from the server's install: if that lives under a directory the sandbox
