@@ -257,6 +257,7 @@ def render_policy_report(settings: Settings) -> str:
             "readonly": list(launch.plan.readonly),
             "reallowed": list(launch.plan.reallowed),
             "placeholders": [*launch.plan.absent_files, *launch.plan.absent_dirs],
+            "pinned (cannot be renamed)": list(launch.plan.pinned),
             "proc_readonly (always)": list(launch.plan.proc_readonly),
             "proc_masked (always)": list(launch.plan.proc_masked),
             "warnings": list(launch.plan.warnings),

@@ -210,3 +210,27 @@ async def test_flooded_workspace_fails_closed_and_standby_is_replanned(
             assert KEY_SECRET not in text and "IPYFENCE_SCAN_LIMIT" in text, text
         else:
             assert KEY_SECRET in text, text  # the control: unmasked, the deeper secret is readable
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_nested_git_cannot_be_replaced_by_renaming_its_parent(
+    make_client: Any, workspace: Path, mode: str
+) -> None:
+    """Rename `sub` (its read-only `sub/.git` moves with it), then plant `sub/.git/hooks/pre-commit`."""
+    require_bwrap()
+    (workspace / "sub" / ".git").mkdir(parents=True)
+    (workspace / "sub" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    code = (
+        "import os\n"
+        "try:\n"
+        "    os.rename('sub', 'sub2'); os.makedirs('sub/.git/hooks')\n"
+        "    open('sub/.git/hooks/pre-commit', 'w').write('#!/bin/sh\\necho pwned\\n')\n"
+        "    print('PLANTED')\n"
+        "except OSError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    async with make_client(*(("--no-sandbox",) if mode == "no-sandbox" else ())) as client:
+        text, _ = await run_cell(client, code)
+    planted = (workspace / "sub" / ".git" / "hooks" / "pre-commit").exists()
+    assert planted == (mode == "no-sandbox"), text
+    assert ("PLANTED" in text) == (mode == "no-sandbox"), text

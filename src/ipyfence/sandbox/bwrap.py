@@ -64,7 +64,7 @@ def _depth(path: str) -> int:
 
 def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> list[list[str]]:
     ops: list[tuple[int, int, str, list[str]]] = []
-    for p in (*plan.writable, *options.extra_writable):
+    for p in (*plan.writable, *options.extra_writable, *plan.pinned):
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
     hidden = [p for p in (*plan.hidden_dirs, *plan.absent_dirs) if p not in PRIVATE_DIRS]
     for p in hidden:

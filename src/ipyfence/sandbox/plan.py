@@ -112,6 +112,7 @@ class MountPlan:
     warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
     absent_files: tuple[str, ...] = ()  # protected names that do not exist: read-only empty placeholders
     absent_dirs: tuple[str, ...] = ()  # same, for directories
+    pinned: tuple[str, ...] = ()  # ancestors of protected paths, bound onto themselves: a mount cannot be renamed
     proc_readonly: tuple[str, ...] = ()  # /proc paths that change the host: read-only (always on)
     proc_masked: tuple[str, ...] = ()  # /proc files that leak host state: masked (always on)
 
@@ -312,6 +313,15 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
 
+    # A protected path's ancestors are pinned: otherwise the kernel renames `sub` away (its read-only
+    # `sub/.git` moves with it, on the host too) and plants a fresh `sub/.git/hooks` the user's git runs.
+    pinned: list[str] = []
+    for path in readonly:
+        owner = next((w for w in writable if _under(path, w) and path != w), None)
+        parent = os.path.dirname(path)
+        while owner is not None and parent != owner and _under(parent, owner):
+            pinned.append(parent)
+            parent = os.path.dirname(parent)
     return MountPlan(
         writable=tuple(dict.fromkeys(writable)),
         hidden_dirs=tuple(dict.fromkeys(hidden)),
@@ -321,6 +331,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         warnings=tuple(warnings),
         absent_files=absent_files,
         absent_dirs=absent_dirs,
+        pinned=tuple(sorted(set(pinned))),
         proc_readonly=tuple(p for p in PROC_READONLY if os.path.exists(p)),
         proc_masked=tuple(p for p in PROC_MASKED if os.path.exists(p)),
     )
