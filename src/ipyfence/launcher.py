@@ -230,5 +230,5 @@ class KernelFactory:
     def remove_runtime_root(self) -> None:
         if self.cgroups is not None:
             self.cgroups.close()
-        remove_placeholders(self._placeholders)
+        remove_placeholders(self._placeholders, trusted=True)  # this server's own, in-memory list
         shutil.rmtree(self.runtime_root, ignore_errors=True)

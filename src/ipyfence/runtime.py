@@ -33,7 +33,7 @@ OWNER_FILE = "server.pid"
 PLACEHOLDERS_FILE = "placeholders"
 
 
-def remove_placeholders(paths: list[str]) -> None:
+def remove_placeholders(paths: list[str], *, trusted: bool = False) -> None:
     """Remove the empty read-only placeholders bwrap created; anything with content stays.
 
     The kernel may have replaced a placeholder's parent or the placeholder itself with a symlink:
@@ -45,8 +45,8 @@ def remove_placeholders(paths: list[str]) -> None:
     allowed = placeholder_names()
     for path in paths:
         parent, name = os.path.split(path)
-        if name not in allowed or not os.path.isabs(parent):
-            continue  # only names ipyfence makes placeholders for, whatever a file says
+        if not os.path.isabs(parent) or (not trusted and name not in allowed):
+            continue  # from a file: only names ipyfence makes placeholders for, whatever the file says
         try:
             with safefs.opened_dir(parent) as fd:
                 safefs.remove_if_empty(fd, name)

@@ -234,3 +234,33 @@ async def test_nested_git_cannot_be_replaced_by_renaming_its_parent(
     planted = (workspace / "sub" / ".git" / "hooks" / "pre-commit").exists()
     assert planted == (mode == "no-sandbox"), text
     assert ("PLANTED" in text) == (mode == "no-sandbox"), text
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_git_hooks_path_and_includes_in_the_tree_are_protected(
+    make_client: Any, workspace: Path, mode: str
+) -> None:
+    """`core.hooksPath = .githooks` (husky style) and an included config file in the work tree: the
+    kernel must not create a hook there or rewrite the include (git would run/read them on the host)."""
+    import subprocess
+
+    require_bwrap()
+    subprocess.run(["git", "init", "-q", str(workspace)], check=True)
+    subprocess.run(["git", "-C", str(workspace), "config", "core.hooksPath", ".githooks"], check=True)
+    subprocess.run(["git", "-C", str(workspace), "config", "include.path", "../team.gitconfig"], check=True)
+    (workspace / "team.gitconfig").write_text("[user]\n\tname = team\n")
+    code = (
+        "import os\n"
+        "for path, data in (('.githooks/pre-commit', '#!/bin/sh\\necho pwned\\n'),\n"
+        "                   ('team.gitconfig', '[core]\\n\\tfsmonitor = echo pwned\\n')):\n"
+        "    try:\n"
+        "        os.makedirs(os.path.dirname(path) or '.', exist_ok=True); open(path, 'w').write(data)\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('REFUSED', path, e)\n"
+    )
+    async with make_client(*(("--no-sandbox",) if mode == "no-sandbox" else ())) as client:
+        text, _ = await run_cell(client, code)
+    wrote = text.count("WROTE")
+    assert wrote == (2 if mode == "no-sandbox" else 0), text
+    assert ("fsmonitor" in (workspace / "team.gitconfig").read_text()) == (mode == "no-sandbox")

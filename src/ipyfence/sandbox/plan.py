@@ -268,6 +268,62 @@ def _protected_in(root: str, allow_git_config: bool, trees: _Trees) -> list[str]
     return found
 
 
+# When a repository's git config cannot be read, these conventional hook directories are protected anyway.
+FALLBACK_HOOK_DIRS = (".githooks", ".husky")
+GIT_TIMEOUT = 10.0  # seconds for one `git config` read
+
+
+def _git_config_paths(git: str, args: list[str]) -> list[str] | None:
+    """Values of a `git config --null` query; [] when unset, None when git failed (fail closed)."""
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.path.expanduser("~"), "LANG": "C"}
+    try:
+        proc = subprocess.run(
+            [git, "config", "--null", *args], capture_output=True, timeout=GIT_TIMEOUT, env=env, cwd="/", check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode == 1:  # the key is not set
+        return []
+    if proc.returncode != 0:
+        return None
+    out = proc.stdout.decode("utf-8", errors="replace").split("\0")
+    if "--get-regexp" in args:  # "key\nvalue" records
+        return [item.split("\n", 1)[1] for item in out if "\n" in item]
+    return [item for item in out if item]
+
+
+def git_hook_paths(repos: list[str], writable: list[str], warnings: list[str]) -> list[str]:
+    """Paths inside writable roots that the repos' git config makes git run or read as config:
+    ``core.hooksPath`` (relative to the work tree) and ``include``/``includeIf`` files. `git config`
+    only reads; it runs nothing. A config that cannot be read protects the usual hook dirs instead."""
+    import shutil
+
+    from ipyfence.mcptools.hostlaunch import safe_path
+
+    found: list[str] = []
+    git = shutil.which("git", path=safe_path(os.environ.get("PATH", "/usr/bin:/bin"), writable))
+    global_hooks = (_git_config_paths(git, ["--global", "--get-all", "core.hooksPath"]) or []) if git and repos else []
+    for repo in repos:
+        config = os.path.join(repo, ".git", "config")
+        if not os.path.isfile(config):
+            continue
+        hooks = _git_config_paths(git, ["--file", config, "--includes", "--get-all", "core.hooksPath"]) if git else None
+        includes = (
+            _git_config_paths(git, ["--file", config, "--get-regexp", r"^include(if\..+)?\.path$"]) if git else None
+        )
+        if hooks is None or includes is None:
+            warnings.append(f"cannot read {config}: protecting {', '.join(FALLBACK_HOOK_DIRS)} in {repo} instead")
+            found += [os.path.join(repo, d) for d in FALLBACK_HOOK_DIRS]
+            continue
+        for value in [*hooks, *global_hooks]:
+            found.append(os.path.normpath(os.path.join(repo, os.path.expanduser(value))))
+        for value in includes:
+            found.append(os.path.normpath(os.path.join(os.path.dirname(config), os.path.expanduser(value))))
+    return [p for p in dict.fromkeys(found) if any(_under(p, w) for w in writable)]
+
+
 def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     """Look at the filesystem and decide exactly what to bind, mask and protect."""
     fs = policy.filesystem
@@ -299,6 +355,11 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         readonly += _protected_in(root, fs.allow_git_config, trees)
         if not trees(root).complete:
             raise_incomplete(root, trees(root))
+    repos = [os.path.dirname(p) for p in readonly if os.path.basename(p) == ".git" and os.path.isdir(p)]
+    repos += [os.path.dirname(os.path.dirname(p)) for p in readonly if p.endswith("/.git/hooks")]  # allowGitConfig
+    hook_paths = git_hook_paths(repos, writable, warnings)
+    readonly += [p for p in hook_paths if os.path.lexists(p) and not os.path.islink(p)]
+    git_absent = [p for p in hook_paths if not os.path.lexists(p)]
     readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     # The kernel runs from the server's install: if that lives under a directory the sandbox
@@ -312,6 +373,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
+    absent_dirs += tuple(p for p in git_absent if p not in absent_dirs)  # e.g. a hooksPath not made yet
 
     # A protected path's ancestors are pinned: otherwise the kernel renames `sub` away (its read-only
     # `sub/.git` moves with it, on the host too) and plants a fresh `sub/.git/hooks` the user's git runs.
