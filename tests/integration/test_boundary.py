@@ -264,3 +264,41 @@ async def test_git_hooks_path_and_includes_in_the_tree_are_protected(
     wrote = text.count("WROTE")
     assert wrote == (2 if mode == "no-sandbox" else 0), text
     assert ("fsmonitor" in (workspace / "team.gitconfig").read_text()) == (mode == "no-sandbox")
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_home_as_workspace_protects_every_startup_file(make_client: Any, tmp_path: Path, mode: str) -> None:
+    """--workspace ~: new or changed start-up files anywhere the shell, git, ssh, systemd or a desktop
+    would read them are refused; ordinary project directories stay writable."""
+    require_bwrap()
+    home = tmp_path / "home"
+    (home / "proj").mkdir(parents=True)
+    (home / ".config").mkdir()
+    (home / ".bashrc").write_text("# mine\n")
+    targets = [
+        ".bash_aliases",
+        ".bashrc",
+        ".config/autostart/x.desktop",
+        ".config/git/config",
+        ".local/bin/ls",
+        ".ssh/config",
+        "bin/ls",
+        "new-top-level-file",
+    ]
+    code = (
+        "import os\n"
+        f"for t in {targets!r}:\n"
+        "    p = os.path.join(os.path.expanduser(HOME), t)\n"
+        "    try:\n"
+        "        os.makedirs(os.path.dirname(p), exist_ok=True); open(p, 'a').write('pwned')\n"
+        "        print('WROTE', t)\n"
+        "    except OSError as e:\n"
+        "        print('REFUSED', t, type(e).__name__)\n"
+        "open(os.path.join(HOME, 'proj', 'work.txt'), 'w').write('ok'); print('PROJECT OK')\n"
+    ).replace("HOME", repr(str(home)))
+    args = ("--no-sandbox",) if mode == "no-sandbox" else ()
+    async with make_client(*args, ws=home, env={"HOME": str(home)}) as client:
+        text, _ = await run_cell(client, code)
+    assert "PROJECT OK" in text, text
+    wrote = text.count("WROTE ")
+    assert wrote == (len(targets) if mode == "no-sandbox" else 0), text

@@ -76,6 +76,9 @@ PROC_MASKED = (
     "/proc/kallsyms",
 )
 
+# With $HOME inside a writable root, these non-dot entries of $HOME stay read-only too (on PATH).
+HOME_READONLY_NAMES = frozenset({"bin"})
+
 # Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
@@ -336,6 +339,21 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         elif not os.path.exists(p):
             warnings.append(f"allowWrite {p!r} does not exist and was ignored")
 
+    # --workspace ~ (or a parent of it): the home root itself is read-only, so no new start-up file
+    # (.bash_aliases, .config/…, .local/bin, .ssh/config, systemd units, autostart) can be created or
+    # renamed into place, every dot entry stays read-only, and only the existing non-dot directories
+    # and files (except bin/, which .profile puts on PATH) are bound back writable.
+    home = os.path.realpath(os.path.expanduser("~"))
+    home_rule = os.path.isdir(home) and any(_under(home, w) for w in writable)
+    home_writable: list[str] = []
+    if home_rule:
+        with os.scandir(home) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") or entry.name in HOME_READONLY_NAMES or entry.is_symlink():
+                    continue
+                if entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False):
+                    home_writable.append(entry.path)
+
     trees = _Trees()
     globbed_files, globbed_dirs = _find_globbed(fs.deny_read, trees, warnings)
     literal = [p for p in fs.deny_read if not is_glob(p) and os.path.lexists(p)]
@@ -361,6 +379,8 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly += [p for p in hook_paths if os.path.lexists(p) and not os.path.islink(p)]
     git_absent = [p for p in hook_paths if not os.path.lexists(p)]
     readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
+    if home_rule:
+        readonly.append(home)
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     # The kernel runs from the server's install: if that lives under a directory the sandbox
     # replaces (a checkout in /tmp, say), bind it back read-only.
@@ -373,6 +393,10 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
+    if home_rule:  # the home root is read-only as a whole: no placeholders needed (or left) there
+        absent_files = tuple(p for p in absent_files if os.path.dirname(p) != home)
+        absent_dirs = tuple(p for p in absent_dirs if os.path.dirname(p) != home)
+        writable += home_writable
     absent_dirs += tuple(p for p in git_absent if p not in absent_dirs)  # e.g. a hooksPath not made yet
 
     # A protected path's ancestors are pinned: otherwise the kernel renames `sub` away (its read-only
