@@ -199,6 +199,9 @@ def render_policy_report(settings: Settings) -> str:
             "readonly": list(launch.plan.readonly),
             "reallowed": list(launch.plan.reallowed),
             "placeholders": [*launch.plan.absent_files, *launch.plan.absent_dirs],
+            "pinned": list(launch.plan.pinned),
+            "unscanned": list(launch.plan.unscanned),
+            "sockets": list(launch.plan.sockets),
             "warnings": list(launch.plan.warnings),
         }
     argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv

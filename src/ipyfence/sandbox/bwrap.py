@@ -33,7 +33,7 @@ ALWAYS = (
 CPU_GRACE = 5  # CPU seconds between SIGXCPU and SIGKILL, for a cell that ignores SIGXCPU
 
 # Mount operations at the same path apply in this order; parents always come first.
-_BIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(6)
+_BIND, _PIN, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(7)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops: list[tuple[int, int, str, list[str]]] = []
     for p in (*plan.writable, *options.extra_writable):
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
-    for p in (*plan.hidden_dirs, *plan.absent_dirs):
+    for p in plan.pinned:  # after the writable root, before the read-only binds inside it
+        ops.append((_depth(p), _PIN, p, ["--bind", p, p]))
+    for p in (*plan.hidden_dirs, *plan.absent_dirs, *plan.unscanned):
         ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
-    for p in (*plan.masked_files, *plan.absent_files):
+    for p in (*plan.masked_files, *plan.absent_files, *plan.sockets):
         ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
     for p in plan.readonly:
         ops.append((_depth(p), _READONLY, p, ["--ro-bind", p, p]))
@@ -76,7 +78,7 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops.append((_depth(k), _KERNEL, k, ["--bind", k, k]))
     ops.sort(key=lambda op: (op[0], op[1], op[2]))
     # Hidden dirs become read-only last, so that mount points inside them can still be made.
-    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *plan.absent_dirs)]
+    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *plan.absent_dirs, *plan.unscanned)]
     return [op[3] for op in ops] + remounts
 
 

@@ -41,7 +41,7 @@ def _root_env_names(workspace: str) -> frozenset[str]:
 def snapshot(plan: MountPlan, workspace: Path) -> Snapshot:
     """Take before the sandbox starts: a change in between then errs on the safe side."""
     inodes: list[tuple[str, int, int]] = []
-    for path in (*plan.masked_files, *plan.readonly):
+    for path in (*plan.masked_files, *plan.readonly, *plan.sockets):
         try:
             st = os.lstat(path)
         except OSError:

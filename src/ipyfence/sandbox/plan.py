@@ -11,6 +11,7 @@ import fnmatch
 import functools
 import os
 import re
+import stat
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from typing import Any
 
 from wcmatch import glob as wcglob
 
-from ipyfence.policy import Policy, is_glob
+from ipyfence.errors import SandboxError
+from ipyfence.policy import Policy, is_glob, literal_path
 
 # Paths that are always read-only inside writable roots, because writing them runs code on
 # the host later (git hooks, shell start-up, editor/agent config). Taken from
@@ -60,7 +62,16 @@ HOME_PLACEHOLDER_FILES = (".bashrc", ".bash_profile", ".profile", ".zshrc", ".zp
 # ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
 HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
 
-SCAN_LIMIT = 200_000  # directory entries looked at per writable root before giving up (with a warning)
+
+def _scan_limit() -> int:
+    # Settable so that tests can flood the workspace cheaply; read once at import.
+    raw = os.environ.get("IPYFENCE_SCAN_LIMIT", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 200_000
+
+
+SCAN_LIMIT = _scan_limit()  # directory entries listed per scanned tree; beyond it subtrees are hidden
+LISTING_FACTOR = 4  # one directory may list up to this many times SCAN_LIMIT before it counts as unfinished
+UNSCANNED_CAP = 256  # unfinished subtrees we hide; more than this and the kernel does not start
 GLOB_FLAGS = wcglob.GLOBSTAR | wcglob.DOTGLOB | wcglob.FORCEUNIX
 
 
@@ -89,6 +100,9 @@ class MountPlan:
     warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
     absent_files: tuple[str, ...] = ()  # protected names that do not exist: read-only empty placeholders
     absent_dirs: tuple[str, ...] = ()  # same, for directories
+    pinned: tuple[str, ...] = ()  # ancestors of protected paths bound onto themselves: a mount point cannot be renamed
+    unscanned: tuple[str, ...] = ()  # subtrees the scan did not finish: hidden (empty read-only), fail closed
+    sockets: tuple[str, ...] = ()  # host unix sockets not the kernel's (agents, docker): masked with /dev/null
 
 
 def default_server_install() -> tuple[Path, ...]:
@@ -108,7 +122,12 @@ class _Tree:
     """One directory tree as os.walk lists it (no symlinks followed), up to SCAN_LIMIT entries."""
 
     entries: tuple[tuple[str, list[str], list[str]], ...]
-    complete: bool  # False: the limit was hit and deeper entries are missing
+    unfinished: tuple[str, ...] = ()  # directories whose subtree was not (fully) listed
+    sockets: tuple[str, ...] = ()  # unix sockets found on the way
+
+    @property
+    def complete(self) -> bool:
+        return not self.unfinished
 
 
 class _Trees:
@@ -122,16 +141,55 @@ class _Trees:
             self._trees[root] = _list_tree(root, SCAN_LIMIT)
         return self._trees[root]
 
+    def all(self) -> list[_Tree]:
+        return list(self._trees.values())
+
 
 def _list_tree(root: str, limit: int) -> _Tree:
+    """Depth-first listing like ``os.walk`` (symlinks to dirs listed, not followed).
+
+    When ``limit`` entries have been listed, the directories not yet (fully) listed are
+    returned as ``unfinished``: depth first keeps that list short (the pending siblings on
+    one path), and the caller hides them rather than trusting a partial scan.
+    """
     entries: list[tuple[str, list[str], list[str]]] = []
+    sockets: list[str] = []
     seen = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        entries.append((dirpath, dirnames, filenames))
-        seen += len(dirnames) + len(filenames)
-        if seen > limit:
-            return _Tree(tuple(entries), complete=False)
-    return _Tree(tuple(entries), complete=True)
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        if seen >= limit:
+            return _Tree(tuple(entries), (top, *reversed(stack)), tuple(sockets))
+        dirnames: list[str] = []
+        filenames: list[str] = []
+        descend: list[str] = []
+        try:
+            with os.scandir(top) as it:
+                for entry in it:
+                    seen += 1
+                    # A directory once begun is listed whole (its names are checked), up to a
+                    # hard bound: a flood of names in one directory must not exhaust memory.
+                    if seen > LISTING_FACTOR * limit:
+                        partial = ((top, [], [""] * (len(dirnames) + len(filenames))),)
+                        return _Tree(tuple(entries) + partial, (top, *reversed(stack)), tuple(sockets))
+                    try:
+                        if entry.is_dir():
+                            dirnames.append(entry.name)
+                            if not entry.is_symlink():
+                                descend.append(entry.path)
+                            continue
+                        filenames.append(entry.name)
+                        # Sockets are neither files nor dirs; stat only those rare entries.
+                        rare = not entry.is_file() and not entry.is_symlink()
+                        if rare and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                            sockets.append(entry.path)
+                    except OSError:
+                        filenames.append(entry.name)
+        except OSError:
+            continue  # unreadable (or vanished): nothing the kernel can read there either
+        entries.append((top, dirnames, filenames))
+        stack.extend(reversed(descend))
+    return _Tree(tuple(entries), (), tuple(sockets))
 
 
 def _glob_base(pattern: str) -> str:
@@ -142,7 +200,7 @@ def _glob_base(pattern: str) -> str:
         if is_glob(part):
             break
         base.append(part)
-    return "/".join(base) or "/"
+    return literal_path("/".join(base)) or "/"
 
 
 def _matches(path: str, patterns: Iterable[str]) -> bool:
@@ -167,7 +225,7 @@ def _compiled(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str
     simple = tails and all("**" not in t and "[" not in t and "\\" not in t for t in tails)
     tail = re.compile("|".join(fnmatch.translate(t) for t in tails)) if simple else None
     matcher = wcglob.compile(globs, flags=GLOB_FLAGS) if globs else None
-    return frozenset(p for p in patterns if not is_glob(p)), tail, matcher
+    return frozenset(literal_path(p) for p in patterns if not is_glob(p)), tail, matcher
 
 
 def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str]) -> tuple[list[str], list[str]]:
@@ -193,10 +251,6 @@ def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str])
                 full = os.path.join(dirpath, name)
                 if _matches(full, pats):
                     dirs.append(full)
-        if not tree.complete:
-            warnings.append(
-                f"stopped scanning {base} after {SCAN_LIMIT} entries: files matching {pats} deeper in it are NOT masked"
-            )
     return files, dirs
 
 
@@ -238,21 +292,25 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     fs = policy.filesystem
     warnings: list[str] = []
 
-    writable = [p for p in fs.allow_write if not is_glob(p) and os.path.isdir(p)]
+    writable = [literal_path(p) for p in fs.allow_write if not is_glob(p) and os.path.isdir(literal_path(p))]
     for p in fs.allow_write:
         if is_glob(p):
             warnings.append(f"allowWrite glob {p!r} is not supported by bwrap and was ignored")
-        elif not os.path.exists(p):
+        elif not os.path.exists(literal_path(p)):
             warnings.append(f"allowWrite {p!r} does not exist and was ignored")
 
     trees = _Trees()
     globbed_files, globbed_dirs = _find_globbed(fs.deny_read, trees, warnings)
-    literal = [p for p in fs.deny_read if not is_glob(p) and os.path.lexists(p)]
+    literal = [literal_path(p) for p in fs.deny_read if not is_glob(p) and os.path.lexists(literal_path(p))]
     deny_files = globbed_files + [p for p in literal if not os.path.isdir(p)]
     deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
     masked_files = [p for p in deny_files if not _matches(p, fs.allow_read)]
     hidden = [p for p in deny_dirs if not _matches(p, fs.allow_read)]
-    reallowed = [p for p in fs.allow_read if not is_glob(p) and os.path.exists(p) and any(_under(p, d) for d in hidden)]
+    reallowed = [
+        literal_path(p)
+        for p in fs.allow_read
+        if not is_glob(p) and os.path.exists(literal_path(p)) and any(_under(literal_path(p), d) for d in hidden)
+    ]
 
     # Other programs' sockets, other kernels' state, and ipyfence's own persistent state.
     for d in (*HOST_SOCKET_DIRS, str(paths.runtime_root), str(paths.state_root)):
@@ -262,13 +320,12 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly: list[str] = []
     for root in writable:
         readonly += _protected_in(root, fs.allow_git_config, trees)
-        if not trees(root).complete:
-            warnings.append(f"stopped scanning {root} after {SCAN_LIMIT} entries: deeper protected paths stay writable")
-    readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
+    readonly += [literal_path(p) for p in fs.deny_write if not is_glob(p) and os.path.exists(literal_path(p))]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
+    unscanned = _unscanned(trees, paths, writable, hidden)
     # The kernel runs from the server's install: if that lives under a directory the sandbox
     # replaces (a checkout in /tmp, say), bind it back read-only.
-    replaced = ["/tmp", *hidden]
+    replaced = ["/tmp", *hidden, *unscanned]
     reallowed += [
         str(p)
         for p in paths.server_install
@@ -277,6 +334,8 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
+    pinned = _pinned([*readonly, *absent_files, *absent_dirs], writable)
+    sockets = _sockets(trees, policy, [*replaced, *masked_files])
 
     return MountPlan(
         writable=tuple(dict.fromkeys(writable)),
@@ -287,7 +346,106 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         warnings=tuple(warnings),
         absent_files=absent_files,
         absent_dirs=absent_dirs,
+        pinned=pinned,
+        unscanned=unscanned,
+        sockets=sockets,
     )
+
+
+def _pinned(protected: Iterable[str], writable: list[str]) -> tuple[str, ...]:
+    """Every directory strictly between a writable root and a protected path inside it.
+
+    Bound onto itself, each becomes a mount point, and rename() of a mount point fails
+    (EBUSY): otherwise ``mv sub sub2`` carries the read-only ``sub/.git`` away and the kernel
+    makes a fresh ``sub/.git`` with hooks.
+    """
+    out: set[str] = set()
+    for path in protected:
+        roots = [w for w in writable if _under(path, w) and path != w]
+        if not roots:
+            continue
+        root = max(roots, key=len)
+        parent = os.path.dirname(path)
+        while parent != root and _under(parent, root):
+            out.add(parent)
+            parent = os.path.dirname(parent)
+    return tuple(sorted(out, key=lambda p: (p.count("/"), p)))
+
+
+def _unscanned(trees: _Trees, paths: SandboxPaths, writable: list[str], hidden: list[str]) -> tuple[str, ...]:
+    """Subtrees a scan did not finish: hidden, or a refusal when that cannot be done safely."""
+    out: list[str] = []
+    for tree in trees.all():
+        out += [d for d in tree.unfinished if not any(_under(d, h) for h in hidden)]
+    if not out:
+        return ()
+    needed = [str(paths.workspace), *writable, str(paths.kernel_dir)]
+    fatal = [d for d in out if any(_under(n, d) for n in needed)]
+    if fatal or len(out) > UNSCANNED_CAP:
+        biggest = _biggest(trees)
+        raise SandboxError(
+            f"the workspace scan for secrets and protected files stopped at {SCAN_LIMIT} entries and "
+            + (
+                f"cannot hide {fatal[0]} (the kernel needs it)"
+                if fatal
+                else f"left {len(out)} directories unscanned (at most {UNSCANNED_CAP} can be hidden)"
+            )
+            + f"; the kernel was not started. Largest directories: {', '.join(biggest)}. "
+            "Remove files there, or raise the limit with IPYFENCE_SCAN_LIMIT."
+        )
+    return tuple(dict.fromkeys(out))
+
+
+def _biggest(trees: _Trees, n: int = 3) -> list[str]:
+    sizes = [(len(d) + len(f), p) for t in trees.all() for p, d, f in t.entries]
+    return [f"{p} ({size} entries)" for size, p in sorted(sizes, reverse=True)[:n]]
+
+
+# Well-known agent sockets under $HOME: each lets its holder sign, decrypt or run containers.
+HOME_SOCKETS = (".gnupg/S.*", ".docker/run/docker.sock", ".1password/agent.sock", ".ssh/agent*", ".ssh/agent*/*")
+
+
+def _agent_socket_candidates(environ: dict[str, str] | None = None) -> list[str]:
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    if env.get("SSH_AUTH_SOCK"):
+        out.append(env["SSH_AUTH_SOCK"])
+    docker = env.get("DOCKER_HOST", "")
+    if docker.startswith("unix://"):
+        out.append(docker[len("unix://") :])
+    if env.get("GPG_AGENT_INFO"):
+        out.append(env["GPG_AGENT_INFO"].split(":", 1)[0])
+    home = os.path.expanduser("~")
+    for pattern in HOME_SOCKETS:
+        out += wcglob.glob(wcglob.escape(home) + "/" + pattern, flags=GLOB_FLAGS)
+    return out
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)  # follows links: the bind would too
+    except OSError:
+        return False
+
+
+def _sockets(trees: _Trees, policy: Policy, covered: list[str]) -> tuple[str, ...]:
+    """Host sockets the kernel could connect to: the scan's finds plus the well-known agents.
+
+    Read-only mounts do not stop connect(), so each is masked with /dev/null. Sockets under a
+    hidden or replaced dir (/tmp, /run) are gone already; allowUnixSockets entries stay.
+    """
+    allowed = {os.path.realpath(literal_path(p)) for p in policy.network.allow_unix_sockets}
+    found: list[str] = [s for t in trees.all() for s in t.sockets]
+    found += [os.path.realpath(p) for p in _agent_socket_candidates() if os.path.isabs(p)]
+    out = [
+        p
+        for p in dict.fromkeys(found)
+        if _is_socket(p)
+        and p not in allowed
+        and os.path.realpath(p) not in allowed
+        and not any(_under(p, c) for c in covered)
+    ]
+    return tuple(out)
 
 
 def _absent_placeholders(

@@ -117,7 +117,7 @@ def _deny_read(policy: Policy, plan: MountPlan, platform: Platform) -> list[str]
     # Globs stay globs: srt expands them with ripgrep at launch (Linux) or matches them
     # natively (macOS). The files the plan found are listed as well, in case srt's own
     # expansion differs from ipyfence's (depth, ignore files).
-    return _dedupe([*policy.filesystem.deny_read, *plan.masked_files, *hidden])
+    return _dedupe([*policy.filesystem.deny_read, *plan.masked_files, *hidden, *plan.unscanned, *plan.sockets])
 
 
 def _allow_read(policy: Policy, plan: MountPlan, paths: SandboxPaths, platform: Platform) -> list[str]:
@@ -134,7 +134,10 @@ def _protected_globs(roots: Sequence[str], allow_git_config: bool) -> list[str]:
 
 
 def _deny_write(policy: Policy, plan: MountPlan, user_roots: Sequence[str], platform: Platform) -> list[str]:
-    out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs]
+    # srt cannot bind a directory onto itself, so the ancestors bwrap pins against rename() are
+    # made read-only as a whole instead: fail closed (nested repos' parents become read-only).
+    out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs, *plan.pinned]
+    out += list(plan.unscanned)
     if platform == "darwin":
         out += _protected_globs(user_roots, policy.filesystem.allow_git_config)
     # On Linux srt drops write globs (bwrap needs real paths); the existing protected paths

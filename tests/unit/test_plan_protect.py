@@ -1,0 +1,133 @@
+"""The mount plan fails closed: pinned ancestors, unfinished scans, sockets, glob-escaped paths."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ipyfence.errors import SandboxError
+from ipyfence.policy import is_glob, literal_path, resolve_entry
+from ipyfence.sandbox import plan as plan_mod
+from ipyfence.sandbox.plan import plan_mounts
+from tests.unit.test_bwrap_render import pairs, rendered, resolved_default, sandbox_paths, triples
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    (ws / "a" / "b" / "repo" / ".git" / "hooks").mkdir(parents=True)
+    (ws / "top").mkdir()
+    return ws
+
+
+def test_every_ancestor_of_a_nested_protected_path_is_pinned_before_it(tmp_path: Path, ws: Path) -> None:
+    argv, plan = rendered(tmp_path, ws, resolved_default(ws))
+    nested = [str(ws / "a"), str(ws / "a" / "b"), str(ws / "a" / "b" / "repo")]
+    assert list(plan.pinned) == nested
+    binds = {dest: i for i, src, dest in triples(argv, "--bind") if src == dest}
+    ro = {dest: i for i, src, dest in triples(argv, "--ro-bind") if src == dest}
+    git = str(ws / "a" / "b" / "repo" / ".git")
+    assert binds[str(ws)] < binds[nested[0]] < binds[nested[1]] < binds[nested[2]] < ro[git]
+    assert str(ws / "top") not in plan.pinned and str(ws) not in plan.pinned
+
+
+def test_unfinished_scan_hides_pending_subtrees(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "SCAN_LIMIT", 4)
+    for i in range(5):
+        (ws / "top" / f"f{i}").write_text("x")
+    (ws / "z" / "deep").mkdir(parents=True)
+    (ws / "z" / "deep" / ".env").write_text("SECRET=1")
+    argv, plan = rendered(tmp_path, ws, resolved_default(ws))
+    assert plan.unscanned and all(p.startswith(str(ws) + "/") for p in plan.unscanned)
+    assert any(str(ws / "z" / "deep" / ".env").startswith(p + "/") for p in plan.unscanned)
+    hidden = {p for _, p in pairs(argv, "--tmpfs")}
+    assert set(plan.unscanned) <= hidden
+
+
+def test_too_many_unfinished_subtrees_refuse(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "SCAN_LIMIT", 3)
+    monkeypatch.setattr(plan_mod, "UNSCANNED_CAP", 3)
+    for i in range(10):
+        (ws / f"d{i}").mkdir()
+    with pytest.raises(SandboxError, match="at most 3 can be hidden"):
+        plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+
+
+def test_huge_root_listing_refuses(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "SCAN_LIMIT", 2)
+    for i in range(20):
+        (ws / f"f{i}").write_text("")
+    with pytest.raises(SandboxError, match=r"the kernel needs it.*ws \(\d+ entries\)"):
+        plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+
+
+@pytest.fixture
+def nontmp(tmp_path: Path) -> Iterator[Path]:
+    """A directory outside /tmp (which the sandbox replaces anyway, hiding its sockets)."""
+    base = Path(os.environ.get("IPYFENCE_TEST_NONTMP", "/var/lib")) / f"ipyfence-test-{os.getpid()}"
+    base.mkdir(parents=True)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base)
+
+
+def test_sockets_in_workspace_and_agent_env_are_masked(
+    tmp_path: Path, nontmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws, home = nontmp / "ws", nontmp / "home"
+    (ws / "top").mkdir(parents=True)
+    (home / ".gnupg").mkdir(parents=True)
+    (home / ".ssh" / "agent").mkdir(parents=True)
+    paths = [ws / "top" / "agent.sock", home / ".gnupg" / "S.gpg-agent", nontmp / "ssh.sock"]
+    paths += [home / ".ssh" / "agent" / "s.1", nontmp / "docker.sock"]
+    made = []
+    for path in paths:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        made.append(s)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(nontmp / "ssh.sock"))
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{nontmp / 'docker.sock'}")
+    try:
+        argv, plan = rendered(tmp_path, ws, resolved_default(ws))
+    finally:
+        for s in made:
+            s.close()
+    assert set(plan.sockets) == {str(p) for p in paths}
+    masked = {dest for _, src, dest in triples(argv, "--ro-bind") if src == "/dev/null"}
+    assert {str(p) for p in paths} <= masked
+
+
+def test_socket_scan_finds_sockets_outside_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    root = Path(os.environ.get("IPYFENCE_TEST_NONTMP", "/var/lib")) / f"ipyfence-sock-{os.getpid()}"
+    root.mkdir(parents=True)
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(str(root / "x.sock"))
+        tree = plan_mod._list_tree(str(root), 100)
+        assert tree.sockets == (str(root / "x.sock"),)
+    finally:
+        s.close()
+        (root / "x.sock").unlink()
+        root.rmdir()
+
+
+@pytest.mark.parametrize("name", ["ws[1]", "a*b", "q?", "br{x,y}", "w\\s"])
+def test_glob_characters_in_workspace_are_escaped(tmp_path: Path, name: str) -> None:
+    ws = tmp_path / name
+    (ws / "sub").mkdir(parents=True)
+    (ws / "sub" / ".env").write_text("S=1")
+    (ws / ".env").write_text("S=1")
+    deep = resolve_entry("**/.env", ws, "t")
+    assert is_glob(deep)
+    lit = resolve_entry(".env", ws, "t")
+    assert not is_glob(lit) and literal_path(lit) == str(ws / ".env")
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    assert {str(ws / ".env"), str(ws / "sub" / ".env")} <= set(plan.masked_files)
+    assert str(ws) in plan.writable
