@@ -9,10 +9,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 from ipyfence import limitnotes
-from ipyfence.errors import KernelError
+from ipyfence.errors import KernelError, SandboxError
 from ipyfence.execution import Execution, ExecutionResult, ProgressFn, integrity_problem
 from ipyfence.launcher import START_TIMEOUT, KernelFactory, KernelHook, RunningKernel, StopHook
 from ipyfence.sandbox.cgroups import Events
+from ipyfence.sandbox.launch import kernel_paths
+from ipyfence.sandbox.plan import plan_mounts
 from ipyfence.settings import Settings
 
 __all__ = ["ExecutionResult", "KernelSession", "ProgressFn"]
@@ -61,12 +63,30 @@ class KernelSession:
         if standby is not None:
             try:
                 kernel = await standby
-                if await kernel.km.is_alive() and integrity_problem(kernel) is None:
+                stale = await asyncio.to_thread(self._plan_is_stale, kernel)
+                if not stale and await kernel.km.is_alive() and integrity_problem(kernel) is None:
                     return kernel
+                if stale:
+                    log.info("the workspace changed since the standby kernel was planned; starting a fresh one")
                 await self.factory.stop(kernel)
             except Exception as exc:  # a failed standby must not block a reset
                 log.warning("standby kernel failed, starting a fresh one: %s", exc)
         return await self.factory.start()
+
+    def _plan_is_stale(self, kernel: RunningKernel) -> bool:
+        """Would the standby be planned differently now (a .env, a socket, a repo appeared since)?
+
+        The standby was planned when it started, maybe long ago: its masks are those of that
+        moment. Planning again costs one workspace walk, off the event loop.
+        """
+        planned = kernel.launch.plan
+        if planned is None:
+            return False  # unsandboxed: nothing is masked anyway
+        paths = kernel_paths(self.settings, kernel.kernel_dir, self.factory.runtime_root)
+        try:
+            return plan_mounts(self.settings.policy, paths) != planned
+        except SandboxError:
+            return True  # a fresh start reports the error itself
 
     async def replace_kernel(self) -> None:
         """Swap in a new kernel; the old one is killed in the background."""

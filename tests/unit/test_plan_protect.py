@@ -131,3 +131,21 @@ def test_glob_characters_in_workspace_are_escaped(tmp_path: Path, name: str) -> 
     plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
     assert {str(ws / ".env"), str(ws / "sub" / ".env")} <= set(plan.masked_files)
     assert str(ws) in plan.writable
+
+
+def test_socket_in_a_workspace_under_tmp_is_masked_but_not_the_kernels_own(tmp_path: Path, ws: Path) -> None:
+    paths = sandbox_paths(tmp_path, ws)
+    paths.kernel_dir.mkdir(parents=True)
+    made = []
+    for path in (ws / "agent.sock", paths.kernel_dir / "bridge.sock"):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        made.append(s)
+    policy = resolved_default(ws, {"filesystem": {"allowWrite": [str(paths.kernel_dir)]}})
+    try:
+        plan = plan_mounts(policy, paths)
+    finally:
+        for s in made:
+            s.close()
+    assert str(ws / "agent.sock") in plan.sockets
+    assert str(paths.kernel_dir / "bridge.sock") not in plan.sockets

@@ -170,7 +170,9 @@ def _list_tree(root: str, limit: int) -> _Tree:
                     # A directory once begun is listed whole (its names are checked), up to a
                     # hard bound: a flood of names in one directory must not exhaust memory.
                     if seen > LISTING_FACTOR * limit:
-                        partial = ((top, [], [""] * (len(dirnames) + len(filenames))),)
+                        partial: tuple[tuple[str, list[str], list[str]], ...] = (
+                            (top, [], [""] * (len(dirnames) + len(filenames))),
+                        )
                         return _Tree(tuple(entries) + partial, (top, *reversed(stack)), tuple(sockets))
                     try:
                         if entry.is_dir():
@@ -335,7 +337,9 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
     pinned = _pinned([*readonly, *absent_files, *absent_dirs], writable)
-    sockets = _sockets(trees, policy, [*replaced, *masked_files])
+    rebound = [*writable, *reallowed]
+    sockets = _sockets(trees, policy, [*replaced, *masked_files], rebound)
+    sockets = tuple(p for p in sockets if not _under(p, str(paths.kernel_dir)))  # the kernel's own (bridge)
 
     return MountPlan(
         writable=tuple(dict.fromkeys(writable)),
@@ -428,11 +432,19 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _sockets(trees: _Trees, policy: Policy, covered: list[str]) -> tuple[str, ...]:
+def _visible(path: str, replaced: list[str], rebound: list[str]) -> bool:
+    """Is ``path`` still the host's file in the sandbox (the deepest mount over it decides)?"""
+    hide = max((len(d) for d in replaced if _under(path, d)), default=-1)
+    show = max((len(d) for d in rebound if _under(path, d)), default=-1)
+    return show >= hide
+
+
+def _sockets(trees: _Trees, policy: Policy, replaced: list[str], rebound: list[str]) -> tuple[str, ...]:
     """Host sockets the kernel could connect to: the scan's finds plus the well-known agents.
 
     Read-only mounts do not stop connect(), so each is masked with /dev/null. Sockets under a
-    hidden or replaced dir (/tmp, /run) are gone already; allowUnixSockets entries stay.
+    hidden or replaced dir (/tmp, /run, the kernel's own dir) are gone already unless a
+    writable root binds them back; allowUnixSockets entries stay.
     """
     allowed = {os.path.realpath(literal_path(p)) for p in policy.network.allow_unix_sockets}
     found: list[str] = [s for t in trees.all() for s in t.sockets]
@@ -440,10 +452,7 @@ def _sockets(trees: _Trees, policy: Policy, covered: list[str]) -> tuple[str, ..
     out = [
         p
         for p in dict.fromkeys(found)
-        if _is_socket(p)
-        and p not in allowed
-        and os.path.realpath(p) not in allowed
-        and not any(_under(p, c) for c in covered)
+        if _is_socket(p) and p not in allowed and os.path.realpath(p) not in allowed and _visible(p, replaced, rebound)
     ]
     return tuple(out)
 
