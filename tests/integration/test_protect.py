@@ -1,0 +1,133 @@
+"""The mount plan fails closed, attacked from inside the kernel (real bwrap, real MCP client).
+
+One server per mode, in a workspace whose name is full of glob characters, runs every attack:
+
+- ``.env`` masks still apply although the workspace path is ``ws[1]*?{x}`` (glob escaping);
+- a nested repo's parent cannot be renamed away to plant a fresh ``.git`` (pinned ancestors);
+- a unix socket in the workspace (an agent's) cannot be connected to (masked);
+- a ``.env`` the host creates after start is hidden after ``reset()`` (the standby is re-planned);
+- a kernel that floods the workspace past the scan limit cannot hide a deep ``.env`` from the next
+  kernel's scan (unscanned subtrees are hidden).
+
+With ``--no-sandbox`` each attack succeeds, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ClientFactory, require_bwrap, run_cell, text_of
+
+pytestmark = pytest.mark.anyio
+
+SCAN_LIMIT = 300  # IPYFENCE_SCAN_LIMIT for the server: a flood of 1500 files is past it
+SECRET = f"SECRET_{uuid.uuid4().hex}"
+
+HARNESS = """
+import os, socket
+def attempt(name, fn):
+    try:
+        fn()
+    except BaseException as exc:
+        print(name, "BLOCKED", type(exc).__name__, str(exc)[:200])
+    else:
+        print(name, "SUCCEEDED")
+def read(path):
+    def go():
+        assert SECRET in open(path).read()
+    return go
+"""
+
+FIRST = """
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("agent.sock")
+    s.close()
+def rename_repo():
+    os.rename("nest/repo", "nest/repo2")
+    os.rename("nest/repo2", "nest/repo")
+def rename_parent():
+    os.rename("nest", "nest2")
+    os.makedirs("nest/repo/.git/hooks")
+    open("nest/repo/.git/hooks/pre-commit", "w").write("#!/bin/sh\\necho pwned\\n")
+attempt("root_env", read(".env"))
+attempt("deep_env", read("sub/.env"))
+attempt("socket", connect)
+attempt("rename_repo", rename_repo)
+attempt("rename_parent", rename_parent)
+"""
+
+FLOOD = f"""
+os.makedirs("flood/d", exist_ok=True)
+for i in range({SCAN_LIMIT * 5}):
+    open(f"flood/f{{i}}", "w").close()
+open("flood/d/.env", "w").write(f"KEY={{SECRET}}\\n")
+attempt("late_env", read("late/.env"))
+"""
+
+AFTER_FLOOD = """
+attempt("flood_env", read("flood/d/.env"))
+"""
+
+
+def outcomes(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(" ", 2)
+        if len(parts) >= 2 and parts[1] in ("BLOCKED", "SUCCEEDED"):
+            out[parts[0]] = parts[1] + (" " + parts[2] if len(parts) > 2 else "")
+    return out
+
+
+@pytest.fixture
+def glob_workspace(tmp_path: Path) -> Iterator[Path]:
+    ws = tmp_path / "ws[1]*?{x}"
+    (ws / "sub").mkdir(parents=True)
+    (ws / ".env").write_text(f"KEY={SECRET}\n")
+    (ws / "sub" / ".env").write_text(f"KEY={SECRET}\n")
+    (ws / "nest" / "repo" / ".git" / "hooks").mkdir(parents=True)
+    agent = socket.socket(socket.AF_UNIX)
+    agent.bind(str(ws / "agent.sock"))
+    agent.listen(8)  # connect() succeeds from the backlog, no accept loop needed
+    try:
+        yield ws
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_plan_fails_closed(mode: str, glob_workspace: Path, make_client: ClientFactory) -> None:
+    if mode == "sandboxed":
+        require_bwrap()
+    args = ("--no-sandbox",) if mode == "no-sandbox" else ()
+    ws = glob_workspace
+    async with make_client(*args, ws=ws, env={"IPYFENCE_SCAN_LIMIT": str(SCAN_LIMIT)}) as client:
+        text, err = await run_cell(client, f"SECRET = {SECRET!r}\n" + HARNESS + FIRST)
+        assert not err, text
+        first = outcomes(text)
+        # Appears on the host after the standby kernel was planned.
+        (ws / "late").mkdir()
+        (ws / "late" / ".env").write_text(f"KEY={SECRET}\n")
+        reset = await client.call_tool("reset", {})
+        assert not reset.is_error, text_of(reset)
+        text, err = await run_cell(client, f"SECRET = {SECRET!r}\n" + HARNESS + FLOOD)
+        assert not err, text
+        second = outcomes(text)
+        reset = await client.call_tool("reset", {})
+        assert not reset.is_error, text_of(reset)
+        text, err = await run_cell(client, f"SECRET = {SECRET!r}\n" + HARNESS + AFTER_FLOOD)
+        assert not err, text
+        third = outcomes(text)
+    results = {**first, **second, **third}
+    names = ["root_env", "deep_env", "socket", "rename_repo", "rename_parent", "late_env", "flood_env"]
+    assert set(results) == set(names), results
+    expected = "BLOCKED" if mode == "sandboxed" else "SUCCEEDED"
+    wrong = {k: v for k, v in results.items() if not v.startswith(expected)}
+    assert not wrong, f"{mode}: expected every attack {expected}, got {wrong}"
+    if mode == "sandboxed":
+        assert not (ws / "nest2").exists() and (ws / "nest" / "repo" / ".git" / "hooks").is_dir()
