@@ -4,6 +4,7 @@ One server per mode, in a workspace whose name is full of glob characters, runs 
 
 - ``.env`` masks still apply although the workspace path is ``ws[1]*?{x}`` (glob escaping);
 - a nested repo's parent cannot be renamed away to plant a fresh ``.git`` (pinned ancestors);
+- the repo's ``core.hooksPath`` (in-tree, not created yet) cannot be planted (git-config protection);
 - a unix socket in the workspace (an agent's) cannot be connected to (masked);
 - a ``.env`` the host creates after start is hidden after ``reset()`` (the standby is re-planned);
 - a kernel that floods the workspace past the scan limit cannot hide a deep ``.env`` from the next
@@ -15,6 +16,7 @@ With ``--no-sandbox`` each attack succeeds, so the test can fail.
 from __future__ import annotations
 
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,6 +62,11 @@ attempt("deep_env", read("sub/.env"))
 attempt("socket", connect)
 attempt("rename_repo", rename_repo)
 attempt("rename_parent", rename_parent)
+def plant_hook():
+    os.makedirs(".husky", exist_ok=True)
+    with open(".husky/pre-commit", "w") as f:
+        f.write("#!/bin/sh\\necho pwned\\n")
+attempt("hooks_path", plant_hook)
 """
 
 FLOOD = f"""
@@ -91,6 +98,9 @@ def glob_workspace(tmp_path: Path) -> Iterator[Path]:
     (ws / ".env").write_text(f"KEY={SECRET}\n")
     (ws / "sub" / ".env").write_text(f"KEY={SECRET}\n")
     (ws / "nest" / "repo" / ".git" / "hooks").mkdir(parents=True)
+    # The user's repo runs hooks from an in-tree directory that does not exist yet (husky-style).
+    subprocess.run(["git", "init", "-q", str(ws)], check=True, env={"PATH": "/usr/bin:/bin"})
+    subprocess.run(["git", "-C", str(ws), "config", "core.hooksPath", ".husky"], check=True)
     agent = socket.socket(socket.AF_UNIX)
     agent.bind(str(ws / "agent.sock"))
     agent.listen(8)  # connect() succeeds from the backlog, no accept loop needed
@@ -124,7 +134,7 @@ async def test_plan_fails_closed(mode: str, glob_workspace: Path, make_client: C
         assert not err, text
         third = outcomes(text)
     results = {**first, **second, **third}
-    names = ["root_env", "deep_env", "socket", "rename_repo", "rename_parent", "late_env", "flood_env"]
+    names = ["root_env", "deep_env", "socket", "rename_repo", "rename_parent", "hooks_path", "late_env", "flood_env"]
     assert set(results) == set(names), results
     expected = "BLOCKED" if mode == "sandboxed" else "SUCCEEDED"
     wrong = {k: v for k, v in results.items() if not v.startswith(expected)}

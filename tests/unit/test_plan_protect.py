@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +150,40 @@ def test_socket_in_a_workspace_under_tmp_is_masked_but_not_the_kernels_own(tmp_p
             s.close()
     assert str(ws / "agent.sock") in plan.sockets
     assert str(paths.kernel_dir / "bridge.sock") not in plan.sockets
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, env={"PATH": "/usr/bin:/bin"})
+
+
+def test_git_config_hook_and_include_paths_in_tree_are_protected(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (home / ".gitconfig").write_text("[core]\n\thooksPath = global-hooks\n")
+    _git(ws, "init", "-q")
+    _git(ws, "config", "core.hooksPath", "tools/hooks")
+    _git(ws, "config", "include.path", "../extra.cfg")
+    _git(ws, "config", "includeIf.gitdir:/nowhere/.path", "../cond/x.cfg")
+    (ws / "extra.cfg").write_text("[core]\n\thooksPath = more/hooks\n")
+    (ws / "tools" / "hooks").mkdir(parents=True)
+    nested = ws / "a" / "b" / "repo"
+    _git(nested, "config", "--file", str(nested / ".git" / "config"), "core.hooksPath", "h")
+    argv, plan = rendered(tmp_path, ws, resolved_default(ws))
+    assert str(ws / "tools" / "hooks") in plan.readonly  # exists: read-only
+    assert str(ws / "extra.cfg") in plan.readonly
+    assert str(ws / "more") in plan.absent_dirs  # missing: topmost missing ancestor is a placeholder
+    assert str(ws / "cond") in plan.absent_dirs
+    assert str(ws / "global-hooks") in plan.absent_dirs  # global relative hooksPath, per work tree
+    assert str(nested / "h") in plan.absent_dirs and str(nested / "global-hooks") in plan.absent_dirs
+    assert str(ws / "tools") in plan.pinned
+    ro = {dest for _, src, dest in triples(argv, "--ro-bind") if src == dest}
+    assert str(ws / "tools" / "hooks") in ro
+
+
+def test_git_missing_is_a_warning(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "GIT_SEARCH_PATH", str(tmp_path / "nogit"))
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    assert any("git not found" in w for w in plan.warnings)

@@ -11,7 +11,9 @@ import fnmatch
 import functools
 import os
 import re
+import shutil
 import stat
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -289,6 +291,117 @@ def _protected_in(root: str, allow_git_config: bool, trees: _Trees) -> list[str]
     return found
 
 
+# --- git configuration that names in-tree files ---------------------------------------------
+
+# The user's git runs core.hooksPath and reads include.path / includeIf.*.path: when those name
+# a path the kernel can write, the kernel plants hooks or config. Read with the system git at
+# a fixed path and a cleared environment: ``git config`` only parses, it executes nothing.
+GIT_SEARCH_PATH = "/usr/local/bin:/usr/bin:/bin"
+GIT_KEYS = r"^(core\.hookspath|include\.path|includeif\..*\.path)$"
+GIT_TIMEOUT = 10
+GIT_MAX_FILES = 64  # config files followed per plan (includes of includes)
+
+
+@dataclass(frozen=True)
+class _GitRefs:
+    hooks: tuple[str, ...]  # absolute core.hooksPath dirs (relative ones resolved per work tree)
+    includes: tuple[str, ...]  # absolute included config files
+    warnings: tuple[str, ...]
+
+
+def _git_read(git: str, scope: list[str]) -> list[tuple[str, str, str]] | None:
+    """(origin file, key, value) for the keys above; None when git could not read the config."""
+    home = os.path.expanduser("~")
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C"}
+    cmd = [git, "config", *scope, "--includes", "--null", "--show-origin", "--get-regexp", GIT_KEYS]
+    try:
+        done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, timeout=GIT_TIMEOUT, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode == 1:  # no such key (or no such file)
+        return []
+    if done.returncode != 0:
+        return None
+    fields = done.stdout.decode("utf-8", "surrogateescape").split("\0")
+    out: list[tuple[str, str, str]] = []
+    for origin, entry in zip(fields[0::2], fields[1::2], strict=False):
+        key, _, value = entry.partition("\n")
+        out.append((origin.removeprefix("file:"), key, value))
+    return out
+
+
+def _expand(value: str, base: str) -> str:
+    value = os.path.expanduser(value) if value.startswith("~") else value
+    return os.path.normpath(os.path.join(base, value))
+
+
+def git_config_refs(repos: Iterable[str]) -> _GitRefs:
+    """Hook dirs and include files named by the system, global and each repo's config.
+
+    ``repos`` are work tree roots (the directory holding ``.git``). A relative hooksPath is
+    relative to the work tree, also when it comes from the global config.
+    """
+    git = shutil.which("git", path=GIT_SEARCH_PATH)
+    repos = list(repos)
+    if git is None:
+        return _GitRefs((), (), ("git not found: hook paths named by git config were not checked",))
+    warnings: list[str] = []
+    hooks: list[str] = []
+    includes: list[str] = []
+    global_hooks: list[str] = []
+    queue: list[tuple[list[str], str | None]] = [(["--system"], None), (["--global"], None)]
+    queue += [(["--file", os.path.join(r, ".git", "config")], r) for r in repos]
+    seen: set[str] = set()
+    while queue and len(seen) < GIT_MAX_FILES:
+        scope, tree = queue.pop(0)
+        entries = _git_read(git, scope)
+        if entries is None:
+            # git itself would refuse this config too, so it runs no hooks from it; say so.
+            warnings.append(f"git could not read its config ({' '.join(scope)}); hook paths in it were not checked")
+            continue
+        for origin, key, value in entries:
+            if key == "core.hookspath":
+                if os.path.isabs(os.path.expanduser(value)):
+                    hooks.append(_expand(value, "/"))
+                elif tree is not None:
+                    hooks.append(_expand(value, tree))
+                else:
+                    global_hooks.append(value)  # from system/global: relative to every repo
+            else:
+                path = _expand(value, os.path.dirname(origin) or "/")
+                includes.append(path)
+                if path not in seen and os.path.isfile(path):
+                    seen.add(path)
+                    queue.append((["--file", path], tree))  # includeIf conditions: follow them all
+    hooks += [_expand(h, r) for h in global_hooks for r in repos]
+    return _GitRefs(tuple(dict.fromkeys(hooks)), tuple(dict.fromkeys(includes)), tuple(warnings))
+
+
+def _git_protection(
+    repos: list[str], writable: list[str], covered: list[str]
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(read-only paths, absent files, absent dirs, warnings) for git-named paths in writable roots.
+
+    A missing path becomes a read-only placeholder at its topmost missing ancestor, so the
+    kernel can create neither it nor a directory on the way to it.
+    """
+    refs = git_config_refs(repos)
+    readonly: list[str] = []
+    absent_files: list[str] = []
+    absent_dirs: list[str] = []
+    for path, is_dir in [*((h, True) for h in refs.hooks), *((i, False) for i in refs.includes)]:
+        if not any(_under(path, w) and path != w for w in writable) or any(_under(path, c) for c in covered):
+            continue  # not writable, or inside a path that is read-only or hidden already
+        if os.path.lexists(path):
+            readonly.append(path)
+            continue
+        top = path
+        while not os.path.lexists(os.path.dirname(top)):
+            top = os.path.dirname(top)
+        (absent_dirs if is_dir or top != path else absent_files).append(top)
+    return readonly, absent_files, absent_dirs, list(refs.warnings)
+
+
 def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     """Look at the filesystem and decide exactly what to bind, mask and protect."""
     fs = policy.filesystem
@@ -325,6 +438,13 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly += [literal_path(p) for p in fs.deny_write if not is_glob(p) and os.path.exists(literal_path(p))]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     unscanned = _unscanned(trees, paths, writable, hidden)
+    repos = [os.path.dirname(p) for p in readonly if os.path.basename(p) == ".git"]
+    repos += [p.removesuffix("/.git/hooks") for p in readonly if p.endswith("/.git/hooks")]
+    git_ro, git_files, git_dirs, git_warnings = _git_protection(
+        list(dict.fromkeys(repos)), writable, [*readonly, *hidden, *unscanned]
+    )
+    readonly += git_ro
+    warnings += git_warnings
     # The kernel runs from the server's install: if that lives under a directory the sandbox
     # replaces (a checkout in /tmp, say), bind it back read-only.
     replaced = ["/tmp", *hidden, *unscanned]
@@ -336,6 +456,8 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
+    absent_files += tuple(p for p in git_files if p not in absent_files)
+    absent_dirs += tuple(p for p in git_dirs if p not in absent_dirs)
     pinned = _pinned([*readonly, *absent_files, *absent_dirs], writable)
     rebound = [*writable, *reallowed]
     sockets = _sockets(trees, policy, [*replaced, *masked_files], rebound)
