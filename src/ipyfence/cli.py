@@ -202,6 +202,8 @@ def render_policy_report(settings: Settings) -> str:
             "pinned": list(launch.plan.pinned),
             "unscanned": list(launch.plan.unscanned),
             "sockets": list(launch.plan.sockets),
+            "sealed": list(launch.plan.sealed),
+            "rebound": list(launch.plan.rebound),
             "warnings": list(launch.plan.warnings),
         }
     argv = parent_guard(launch.argv, 0) if settings.sandbox else launch.argv

@@ -141,3 +141,64 @@ async def test_plan_fails_closed(mode: str, glob_workspace: Path, make_client: C
     assert not wrong, f"{mode}: expected every attack {expected}, got {wrong}"
     if mode == "sandboxed":
         assert not (ws / "nest2").exists() and (ws / "nest" / "repo" / ".git" / "hooks").is_dir()
+
+
+HOME_ATTACKS = """
+import os
+H = HOME_PATH
+def write(rel):
+    def go():
+        path = os.path.join(H, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            f.write("echo pwned\\n")
+    return go
+def rename_proj():
+    os.rename(os.path.join(H, "proj"), os.path.join(H, "proj2"))
+    os.rename(os.path.join(H, "proj2"), os.path.join(H, "proj"))
+attempt("bash_aliases", write(".bash_aliases"))
+attempt("fish", write(".config/fish/config.fish"))
+attempt("local_bin", write(".local/bin/git"))
+attempt("site_packages", write(".local/lib/python3.12/site-packages/evil.pth"))
+attempt("ssh_config", write(".ssh/config"))
+attempt("systemd_unit", write(".config/systemd/user/evil.service"))
+attempt("home_bin", write("bin/ls"))
+attempt("new_top_level", write("newdir/x"))
+attempt("rename_proj", rename_proj)
+# The kernel's own work in the home still works:
+attempt("ok_proj", write("proj/out.txt"))
+attempt("ok_notes", write("notes.txt"))
+"""
+
+HOME_BLOCKED = [
+    "bash_aliases",
+    "fish",
+    "local_bin",
+    "site_packages",
+    "ssh_config",
+    "systemd_unit",
+    "home_bin",
+    "new_top_level",
+    "rename_proj",
+]
+
+
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+async def test_home_as_workspace_is_sealed(mode: str, tmp_path: Path, make_client: ClientFactory) -> None:
+    if mode == "sandboxed":
+        require_bwrap()
+    home = tmp_path / "home"
+    for d in (".config", ".local/bin", "proj/sub/.git", "bin"):
+        (home / d).mkdir(parents=True)
+    (home / "notes.txt").write_text("notes\n")
+    args = ("--no-sandbox",) if mode == "no-sandbox" else ()
+    async with make_client(*args, ws=home, env={"HOME": str(home)}) as client:
+        code = f"HOME_PATH = {str(home)!r}\nSECRET = ''\n" + HARNESS + HOME_ATTACKS
+        text, err = await run_cell(client, code)
+        assert not err, text
+    results = outcomes(text)
+    assert set(results) == {*HOME_BLOCKED, "ok_proj", "ok_notes"}, results
+    assert results["ok_proj"].startswith("SUCCEEDED") and results["ok_notes"].startswith("SUCCEEDED")
+    expected = "BLOCKED" if mode == "sandboxed" else "SUCCEEDED"
+    wrong = {k: results[k] for k in HOME_BLOCKED if not results[k].startswith(expected)}
+    assert not wrong, f"{mode}: expected {expected}, got {wrong}"

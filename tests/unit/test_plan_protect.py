@@ -187,3 +187,31 @@ def test_git_missing_is_a_warning(tmp_path: Path, ws: Path, monkeypatch: pytest.
     monkeypatch.setattr(plan_mod, "GIT_SEARCH_PATH", str(tmp_path / "nogit"))
     plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
     assert any("git not found" in w for w in plan.warnings)
+
+
+def test_home_as_workspace_is_sealed_with_non_dot_entries_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    for d in (".config/fish", ".local/bin", "proj/sub/.git", "bin", "docs"):
+        (home / d).mkdir(parents=True)
+    (home / "notes.txt").write_text("n")
+    (home / ".bash_aliases").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    argv, plan = rendered(tmp_path, home, resolved_default(home))
+    assert plan.sealed == (str(home),)
+    assert set(plan.rebound) == {str(home / "proj"), str(home / "docs"), str(home / "notes.txt")}
+    assert {str(home / ".config"), str(home / ".local"), str(home / ".bash_aliases")} <= set(plan.sealed_entries)
+    binds = {dest: i for i, src, dest in triples(argv, "--bind") if src == dest}
+    ro = {dest: i for i, src, dest in triples(argv, "--ro-bind") if src == dest}
+    assert binds[str(home)] < ro[str(home)] < binds[str(home / "proj")] < binds[str(home / "proj" / "sub")]
+    assert str(home / "bin") not in binds and str(home / ".config") not in binds
+    # No placeholder mount points at the sealed root (bwrap could not create them there).
+    made = {dest for _, src, dest in triples(argv, "--ro-bind") if src == "/dev/null"}
+    assert str(home / ".bashrc") not in made and str(home / ".bashrc") in plan.absent_files
+
+
+def test_home_elsewhere_is_not_sealed(tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    assert plan.sealed == () and plan.rebound == ()

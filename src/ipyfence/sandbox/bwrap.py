@@ -9,6 +9,7 @@ The network namespace is unshared unless the policy allows network (install_pack
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ ALWAYS = (
 CPU_GRACE = 5  # CPU seconds between SIGXCPU and SIGKILL, for a cell that ignores SIGXCPU
 
 # Mount operations at the same path apply in this order; parents always come first.
-_BIND, _PIN, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(7)
+_BIND, _PIN, _SEAL, _REBIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(9)
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,17 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
     for p in plan.pinned:  # after the writable root, before the read-only binds inside it
         ops.append((_depth(p), _PIN, p, ["--bind", p, p]))
-    for p in (*plan.hidden_dirs, *plan.absent_dirs, *plan.unscanned):
+    for p in plan.sealed:  # read-only at its root; then its non-dot entries writable again
+        ops.append((_depth(p), _SEAL, p, ["--ro-bind", p, p]))
+    for p in plan.rebound:
+        ops.append((_depth(p), _REBIND, p, ["--bind", p, p]))
+    # Nothing can be created at a sealed dir's root: placeholders there are not needed (for srt
+    # they are), and bwrap could not make their mount points in the read-only dir.
+    absent_dirs = [p for p in plan.absent_dirs if os.path.dirname(p) not in plan.sealed]
+    absent_files = [p for p in plan.absent_files if os.path.dirname(p) not in plan.sealed]
+    for p in (*plan.hidden_dirs, *absent_dirs, *plan.unscanned):
         ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
-    for p in (*plan.masked_files, *plan.absent_files, *plan.sockets):
+    for p in (*plan.masked_files, *absent_files, *plan.sockets):
         ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
     for p in plan.readonly:
         ops.append((_depth(p), _READONLY, p, ["--ro-bind", p, p]))
@@ -78,7 +87,7 @@ def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> 
     ops.append((_depth(k), _KERNEL, k, ["--bind", k, k]))
     ops.sort(key=lambda op: (op[0], op[1], op[2]))
     # Hidden dirs become read-only last, so that mount points inside them can still be made.
-    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *plan.absent_dirs, *plan.unscanned)]
+    remounts = [["--remount-ro", p] for p in (*plan.hidden_dirs, *absent_dirs, *plan.unscanned)]
     return [op[3] for op in ops] + remounts
 
 

@@ -105,6 +105,9 @@ class MountPlan:
     pinned: tuple[str, ...] = ()  # ancestors of protected paths bound onto themselves: a mount point cannot be renamed
     unscanned: tuple[str, ...] = ()  # subtrees the scan did not finish: hidden (empty read-only), fail closed
     sockets: tuple[str, ...] = ()  # host unix sockets not the kernel's (agents, docker): masked with /dev/null
+    sealed: tuple[str, ...] = ()  # writable dirs made read-only at their root ($HOME): nothing new appears there
+    rebound: tuple[str, ...] = ()  # entries of a sealed dir bound back writable (non-dot dirs and files of ~)
+    sealed_entries: tuple[str, ...] = ()  # entries of a sealed dir left read-only (dot entries); for srt
 
 
 def default_server_install() -> tuple[Path, ...]:
@@ -438,10 +441,11 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly += [literal_path(p) for p in fs.deny_write if not is_glob(p) and os.path.exists(literal_path(p))]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
     unscanned = _unscanned(trees, paths, writable, hidden)
+    sealed, home_rebound, home_dots = _home_profile(writable)
     repos = [os.path.dirname(p) for p in readonly if os.path.basename(p) == ".git"]
     repos += [p.removesuffix("/.git/hooks") for p in readonly if p.endswith("/.git/hooks")]
     git_ro, git_files, git_dirs, git_warnings = _git_protection(
-        list(dict.fromkeys(repos)), writable, [*readonly, *hidden, *unscanned]
+        list(dict.fromkeys(repos)), writable, [*readonly, *hidden, *unscanned, *home_dots]
     )
     readonly += git_ro
     warnings += git_warnings
@@ -458,7 +462,7 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
     absent_files += tuple(p for p in git_files if p not in absent_files)
     absent_dirs += tuple(p for p in git_dirs if p not in absent_dirs)
-    pinned = _pinned([*readonly, *absent_files, *absent_dirs], writable)
+    pinned = _pinned([*readonly, *absent_files, *absent_dirs], [*writable, *home_rebound], sealed)
     rebound = [*writable, *reallowed]
     sockets = _sockets(trees, policy, [*replaced, *masked_files], rebound)
     sockets = tuple(p for p in sockets if not _under(p, str(paths.kernel_dir)))  # the kernel's own (bridge)
@@ -473,12 +477,43 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         absent_files=absent_files,
         absent_dirs=absent_dirs,
         pinned=pinned,
+        sealed=sealed,
+        rebound=home_rebound,
+        sealed_entries=home_dots,
         unscanned=unscanned,
         sockets=sockets,
     )
 
 
-def _pinned(protected: Iterable[str], writable: list[str]) -> tuple[str, ...]:
+# $HOME inside a writable root (``--workspace ~``): far more than the rc files runs from it
+# (~/.config/{git,fish,autostart,systemd}, ~/.local/bin on PATH, ~/.ssh/config, site-packages in
+# ~/.local/lib, editor and agent configs). No list is complete, so the home is sealed instead:
+# read-only at its root, every dot entry read-only, only non-dot entries bound back writable.
+HOME_KEPT_READONLY = frozenset({"bin"})  # ~/bin is on PATH via ~/.profile
+
+
+def _home_profile(writable: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(sealed, rebound writable, dot entries) when $HOME lies inside a writable root."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home == "/" or not any(_under(home, w) for w in writable):
+        return (), (), ()
+    rebound: list[str] = []
+    dots: list[str] = []
+    try:
+        with os.scandir(home) as it:
+            for entry in sorted(it, key=lambda e: e.name):
+                if entry.name.startswith("."):
+                    dots.append(entry.path)
+                elif entry.name in HOME_KEPT_READONLY or entry.is_symlink():
+                    continue
+                elif entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False):
+                    rebound.append(entry.path)
+    except OSError:
+        pass  # unreadable home: sealed as a whole, nothing bound back
+    return (home,), tuple(rebound), tuple(dots)
+
+
+def _pinned(protected: Iterable[str], writable: list[str], sealed: Iterable[str] = ()) -> tuple[str, ...]:
     """Every directory strictly between a writable root and a protected path inside it.
 
     Bound onto itself, each becomes a mount point, and rename() of a mount point fails
@@ -491,6 +526,8 @@ def _pinned(protected: Iterable[str], writable: list[str]) -> tuple[str, ...]:
         if not roots:
             continue
         root = max(roots, key=len)
+        if any(_under(path, d) and len(d) > len(root) for d in sealed):
+            continue  # inside a read-only sealed dir (a dot dir of ~): nothing to pin, nothing writable
         parent = os.path.dirname(path)
         while parent != root and _under(parent, root):
             out.add(parent)

@@ -138,6 +138,9 @@ def _deny_write(policy: Policy, plan: MountPlan, user_roots: Sequence[str], plat
     # made read-only as a whole instead: fail closed (nested repos' parents become read-only).
     out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs, *plan.pinned]
     out += list(plan.unscanned)
+    # srt cannot seal $HOME and bind entries back: its existing dot entries are read-only, but
+    # new top-level names can still be created there (the classic rc files get placeholders).
+    out += list(plan.sealed_entries)
     if platform == "darwin":
         out += _protected_globs(user_roots, policy.filesystem.allow_git_config)
     # On Linux srt drops write globs (bwrap needs real paths); the existing protected paths
