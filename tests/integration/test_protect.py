@@ -23,9 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ClientFactory, require_bwrap, run_cell, text_of
+from tests.conftest import IPYFENCE, ClientFactory, require_bwrap, require_srt, run_cell, server_env, text_of
 
 pytestmark = pytest.mark.anyio
+
+MODE_ARGS: dict[str, tuple[str, ...]] = {
+    "sandboxed": (),
+    "no-sandbox": ("--no-sandbox",),
+    "srt": ("--sandbox-backend", "srt"),
+}
 
 SCAN_LIMIT = 300  # IPYFENCE_SCAN_LIMIT for the server: a flood of 1500 files is past it
 SECRET = f"SECRET_{uuid.uuid4().hex}"
@@ -92,8 +98,11 @@ def outcomes(text: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def glob_workspace(tmp_path: Path) -> Iterator[Path]:
-    ws = tmp_path / "ws[1]*?{x}"
+def glob_workspace(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    # srt reads glob characters in paths as globs: ipyfence refuses such a workspace there
+    # (tested in test_srt_refuses_glob_workspace), so srt gets a plain name.
+    srt_mode = "srt" in request.node.name
+    ws = tmp_path / ("ws-plain" if srt_mode else "ws[1]*?{x}")
     (ws / "sub").mkdir(parents=True)
     (ws / ".env").write_text(f"KEY={SECRET}\n")
     (ws / "sub" / ".env").write_text(f"KEY={SECRET}\n")
@@ -110,11 +119,13 @@ def glob_workspace(tmp_path: Path) -> Iterator[Path]:
         agent.close()
 
 
-@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox", "srt"])
 async def test_plan_fails_closed(mode: str, glob_workspace: Path, make_client: ClientFactory) -> None:
     if mode == "sandboxed":
         require_bwrap()
-    args = ("--no-sandbox",) if mode == "no-sandbox" else ()
+    if mode == "srt":
+        require_srt()
+    args = MODE_ARGS[mode]
     ws = glob_workspace
     async with make_client(*args, ws=ws, env={"IPYFENCE_SCAN_LIMIT": str(SCAN_LIMIT)}) as client:
         text, err = await run_cell(client, f"SECRET = {SECRET!r}\n" + HARNESS + FIRST)
@@ -136,10 +147,10 @@ async def test_plan_fails_closed(mode: str, glob_workspace: Path, make_client: C
     results = {**first, **second, **third}
     names = ["root_env", "deep_env", "socket", "rename_repo", "rename_parent", "hooks_path", "late_env", "flood_env"]
     assert set(results) == set(names), results
-    expected = "BLOCKED" if mode == "sandboxed" else "SUCCEEDED"
+    expected = "SUCCEEDED" if mode == "no-sandbox" else "BLOCKED"
     wrong = {k: v for k, v in results.items() if not v.startswith(expected)}
     assert not wrong, f"{mode}: expected every attack {expected}, got {wrong}"
-    if mode == "sandboxed":
+    if mode != "no-sandbox":
         assert not (ws / "nest2").exists() and (ws / "nest" / "repo" / ".git" / "hooks").is_dir()
 
 
@@ -202,3 +213,20 @@ async def test_home_as_workspace_is_sealed(mode: str, tmp_path: Path, make_clien
     expected = "BLOCKED" if mode == "sandboxed" else "SUCCEEDED"
     wrong = {k: results[k] for k in HOME_BLOCKED if not results[k].startswith(expected)}
     assert not wrong, f"{mode}: expected {expected}, got {wrong}"
+
+
+def test_srt_refuses_glob_workspace(tmp_path: Path, state_dir: Path) -> None:
+    """Fail closed: the server does not start at all, with one clear sentence."""
+    require_srt()
+    ws = tmp_path / "ws[1]"
+    ws.mkdir()
+    done = subprocess.run(
+        [IPYFENCE, "--workspace", str(ws), "--sandbox-backend", "srt"],
+        env=server_env(state_dir),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0 and "glob characters" in done.stderr, done.stderr

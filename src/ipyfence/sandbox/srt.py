@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ipyfence.errors import SandboxError
 from ipyfence.policy import Policy
 from ipyfence.sandbox.bwrap import LaunchOptions, limits_prefix
 from ipyfence.sandbox.plan import GIT_CONFIG, HOST_SOCKET_DIRS, PROTECTED_DIRS, PROTECTED_FILES, MountPlan, SandboxPaths
@@ -36,6 +37,7 @@ Platform = Literal["linux", "darwin"]
 
 # Top-level srt keys that only mean something on one platform. Passed through either way
 # (srt ignores them), but the user is told they have no effect.
+SRT_GLOB_CHARS = frozenset("*?[]{}")  # paths srt would read as globs
 DARWIN_ONLY_TOP = frozenset({"allowPty", "allowAppleEvents", "enableWeakerNetworkIsolation"})
 DARWIN_ONLY_NET = frozenset({"allowMachLookup"})
 LINUX_ONLY_TOP = frozenset(
@@ -155,6 +157,14 @@ def render_settings(
     options = options or LaunchOptions()
     net = policy.network
     writable = _dedupe([*plan.writable, *options.extra_writable, str(paths.kernel_dir)])
+    globby = [p for p in (*writable, str(paths.workspace)) if any(ch in p for ch in SRT_GLOB_CHARS)]
+    if globby:
+        # srt reads such paths as globs (and drops write globs on Linux): its rules would not
+        # mean what the plan says. Refuse rather than run with rules that never match.
+        raise SandboxError(
+            f"the srt backend cannot express the path {globby[0]!r}: it contains glob characters "
+            f"({' '.join(sorted(SRT_GLOB_CHARS))}). Use --sandbox-backend bwrap, or rename the directory."
+        )
     network: dict[str, Any] = {
         "allowedDomains": list(net.allowed_domains),
         "deniedDomains": list(net.denied_domains),
