@@ -535,9 +535,6 @@ async def test_absent_protected_paths_cannot_be_created(make_client: Any, worksp
     assert sorted(os.listdir(workspace)) == [".git"]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bwrap backend has no seccomp: a unix socket outside the hidden dirs is reachable"
-)
 @pytest.mark.anyio
 async def test_host_unix_socket_in_workspace_is_not_reachable(make_client: Any, workspace: Path) -> None:
     require_bwrap()
