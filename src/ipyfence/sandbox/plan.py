@@ -312,10 +312,51 @@ class _GitRefs:
     warnings: tuple[str, ...]
 
 
-def _git_read(git: str, scope: list[str]) -> list[tuple[str, str, str]] | None:
+_GitEntries = list[tuple[str, str, str]]
+_git_cache: dict[tuple[str, ...], tuple[tuple[object, ...], _GitEntries | None]] = {}
+
+
+def _scope_files(scope: list[str]) -> list[str]:
+    """The files a scope reads (their stat is the cache key): re-planning a standby at every
+    reset must not cost a git process per scope when nothing changed."""
+    if scope[0] == "--file":
+        return [scope[1]]
+    if scope[0] == "--global":
+        xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+        return [os.path.expanduser("~/.gitconfig"), os.path.join(xdg, "git", "config")]
+    return ["/etc/gitconfig", "/usr/local/etc/gitconfig"]
+
+
+def _signature(files: list[str]) -> tuple[object, ...]:
+    out: list[object] = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
+def _git_read(git: str, scope: list[str]) -> _GitEntries | None:
+    key = (git, *scope, os.path.expanduser("~"))
+    signature = _signature(_scope_files(scope))
+    cached = _git_cache.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    entries = _git_run(git, scope)
+    _git_cache[key] = (signature, entries)
+    return entries
+
+
+def _git_run(git: str, scope: list[str]) -> _GitEntries | None:
     """(origin file, key, value) for the keys above; None when git could not read the config."""
     home = os.path.expanduser("~")
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C"}
+    xdg = os.environ.get("XDG_CONFIG_HOME", "")
+    if os.path.isabs(xdg):  # the user's git reads $XDG_CONFIG_HOME/git/config: so do we
+        env["XDG_CONFIG_HOME"] = xdg
     cmd = [git, "config", *scope, "--includes", "--null", "--show-origin", "--get-regexp", GIT_KEYS]
     try:
         done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, timeout=GIT_TIMEOUT, check=False)
@@ -326,7 +367,7 @@ def _git_read(git: str, scope: list[str]) -> list[tuple[str, str, str]] | None:
     if done.returncode != 0:
         return None
     fields = done.stdout.decode("utf-8", "surrogateescape").split("\0")
-    out: list[tuple[str, str, str]] = []
+    out: _GitEntries = []
     for origin, entry in zip(fields[0::2], fields[1::2], strict=False):
         key, _, value = entry.partition("\n")
         out.append((origin.removeprefix("file:"), key, value))
