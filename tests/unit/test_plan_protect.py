@@ -215,3 +215,13 @@ def test_home_elsewhere_is_not_sealed(tmp_path: Path, ws: Path, monkeypatch: pyt
     monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
     plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
     assert plan.sealed == () and plan.rebound == ()
+
+
+def test_host_rename_of_a_pinned_dir_counts_as_a_detached_mask(tmp_path: Path, ws: Path) -> None:
+    from ipyfence.sandbox import integrity
+
+    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
+    snap = integrity.snapshot(plan, ws)
+    assert integrity.replaced_paths(snap) == []
+    (ws / "a").rename(ws / "a2")  # on the host: the sandbox's read-only .git mount is detached
+    assert str(ws / "a") in integrity.replaced_paths(snap)
