@@ -11,7 +11,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from ipyfence import limitnotes, nsmask
-from ipyfence.errors import KernelError
+from ipyfence.errors import KernelError, SandboxError
 from ipyfence.execution import Execution, ExecutionResult, ProgressFn, integrity_problem
 from ipyfence.launcher import START_TIMEOUT, KernelFactory, KernelHook, RunningKernel, StopHook
 from ipyfence.sandbox import integrity
@@ -67,28 +67,30 @@ class KernelSession:
         if standby is not None:
             try:
                 kernel = await standby
-                if (
-                    await kernel.km.is_alive()
-                    and integrity_problem(kernel) is None
-                    and await self._plan_current(kernel)
-                ):
+                stale = await asyncio.to_thread(self._plan_is_stale, kernel)
+                if not stale and await kernel.km.is_alive() and integrity_problem(kernel) is None:
                     return kernel
+                if stale:
+                    log.info("the workspace changed since the standby kernel was planned; starting a fresh one")
                 await self.factory.stop(kernel)
             except Exception as exc:  # a failed standby must not block a reset
                 log.warning("standby kernel failed, starting a fresh one: %s", exc)
         return await self.factory.start()
 
-    async def _plan_current(self, kernel: RunningKernel) -> bool:
-        """Whether the standby's mounts still match the filesystem: a .env (or protected path) that
-        appeared since it was planned would otherwise be readable right after reset()."""
-        if kernel.launch.plan is None:
-            return True
+    def _plan_is_stale(self, kernel: RunningKernel) -> bool:
+        """Would the standby be planned differently now (a .env, a socket, a repo appeared since)?
+
+        The standby was planned when it started, maybe long ago: its masks are those of that
+        moment. Planning again costs one workspace walk, off the event loop.
+        """
+        planned = kernel.launch.plan
+        if planned is None:
+            return False  # unsandboxed: nothing is masked anyway
         paths = kernel_paths(self.settings, kernel.kernel_dir, self.factory.runtime_root)
         try:
-            fresh = await asyncio.to_thread(plan_mounts, self.settings.policy, paths)
-        except Exception:
-            return False  # e.g. the scan no longer finishes: a fresh start reports it
-        return fresh == kernel.launch.plan
+            return plan_mounts(self.settings.policy, paths) != planned
+        except SandboxError:
+            return True  # a fresh start reports the error itself
 
     async def replace_kernel(self) -> None:
         """Swap in a new kernel; the old one is killed in the background."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
+from wcmatch import glob as wcglob
 
 from ipyfence.errors import PolicyError
 
@@ -308,8 +310,22 @@ def load_policy(profile: str, config_file: Path | None) -> Policy:
 # --- path resolution ---------------------------------------------------------------------
 
 
+_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
+
+
 def is_glob(entry: str) -> bool:
-    return any(ch in entry for ch in GLOB_CHARS)
+    """True when ``entry`` has an unescaped glob character (``\\[`` is a literal ``[``)."""
+    return any(ch in GLOB_CHARS for ch in _ESCAPED.sub("", entry))
+
+
+def literal_path(entry: str) -> str:
+    """The path a non-glob entry names: resolved entries escape glob characters of real paths."""
+    return _ESCAPED.sub(r"\1", entry) if "\\" in entry else entry
+
+
+def _escape(path: str) -> str:
+    # Only when needed, so ordinary paths stay as written (and as --print-policy shows them).
+    return wcglob.escape(path) if any(ch in path for ch in "*?[]{}()|!\\") else path
 
 
 def resolve_entry(entry: str, workspace: Path, loc: str) -> str:
@@ -322,27 +338,27 @@ def resolve_entry(entry: str, workspace: Path, loc: str) -> str:
         expanded = os.path.expanduser(entry)
         if not os.path.isabs(expanded):  # "~user" for an unknown user stays relative
             raise PolicyError(f"{loc}: cannot expand {entry!r} to a home directory; use an absolute path")
-        return os.path.normpath(expanded)
+        # The home part is a literal path: escape its glob characters (a home named "a[1]" would
+        # otherwise turn "~/.ssh/**" into a pattern that never matches). A literal entry is
+        # escaped whole, so "is this a glob" still reads right on the resolved entry.
+        user, _, rest = entry.partition("/")
+        home = os.path.expanduser(user)
+        if not is_glob(entry):
+            return _escape(os.path.normpath(expanded))
+        return os.path.normpath(_escape(home) + ("/" + rest if rest else ""))
     if os.path.isabs(entry):
         return os.path.normpath(entry)
     joined = os.path.normpath(os.path.join(workspace, entry))
     if joined != str(workspace) and not joined.startswith(str(workspace) + os.sep):
         raise PolicyError(f"{loc}: relative path {entry!r} escapes the workspace; use an absolute path")
-    return joined
+    if not is_glob(entry):
+        return _escape(joined)
+    # Same for the workspace part of a relative glob ("ws[1]" + "**/.env").
+    return os.path.normpath(_escape(str(workspace)) + "/" + entry)
 
 
 def resolve_paths(policy: Policy, workspace: Path) -> Policy:
-    """Return ``policy`` with every filesystem entry made absolute against ``workspace``.
-
-    Fails closed on a workspace (or home) whose path contains glob characters: joined with a pattern
-    like ``**/.env`` they would turn the deny rules into patterns that match nothing.
-    """
-    for base, what in ((str(workspace), "workspace"), (os.path.expanduser("~"), "home directory")):
-        if is_glob(base) and (what == "workspace" or any(e.startswith("~") for e in _all_entries(policy))):
-            raise PolicyError(
-                f"the {what} path {base!r} contains a glob character (* ? [): ipyfence cannot express its deny "
-                "rules (**/.env …) under it safely and refuses to start. Use a path without these characters."
-            )
+    """Return ``policy`` with every filesystem entry made absolute against ``workspace``."""
     source = policy.sources[-1] if policy.sources else "policy"
     fs = policy.filesystem
     changes: dict[str, Any] = {}

@@ -205,9 +205,8 @@ async def test_flooded_workspace_fails_closed_and_standby_is_replanned(
         assert not err, text
         result = await client.call_tool("reset", {})
         text, _ = await run_cell(client, "print(open('deep/x/.env').read())")
-        if mode == "sandboxed":
-            assert result.is_error and "IPYFENCE_SCAN_LIMIT" in str(result.content), result
-            assert KEY_SECRET not in text and "IPYFENCE_SCAN_LIMIT" in text, text
+        if mode == "sandboxed":  # the unfinished subtrees are hidden (or, past a cap, the kernel refuses)
+            assert KEY_SECRET not in text, (result, text)
         else:
             assert KEY_SECRET in text, text  # the control: unmasked, the deeper secret is readable
 

@@ -285,14 +285,15 @@ async def test_state_lists_and_removes_a_workspace(workspace: Path, state_dir: P
     assert unknown.returncode != 0 and "no ipyfence state for" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
-def test_workspace_with_glob_characters_fails_closed(tmp_path: Path, state_dir: Path) -> None:
-    """`ws[1]` joined with `**/.env` would be a pattern that never matches `ws[1]/.env`: refuse, say why."""
+def test_workspace_with_glob_characters_is_escaped(tmp_path: Path, state_dir: Path) -> None:
+    """`ws[1]*` joined with `**/.env` must not become a pattern that never matches `ws[1]*/.env`."""
     ws = tmp_path / "ws[1]*"
     ws.mkdir()
     (ws / ".env").write_text("S=1\n")
     proc = run_cli("--workspace", str(ws), "--print-policy", env=server_env(state_dir))
-    assert proc.returncode != 0 and "contains a glob character" in proc.stderr and "Traceback" not in proc.stderr
-    # Control: the same pattern does not match the literal path (what would have happened).
+    assert proc.returncode == 0, proc.stderr
+    assert str(ws / ".env") in json.loads(proc.stdout.split("\n\n#")[0])["mounts"]["masked_files"]
+    # Control: joined unescaped, the same pattern does not match the literal path.
     from wcmatch import glob as wcglob
 
     assert not wcglob.globmatch(str(ws / ".env"), f"{ws}/**/.env", flags=wcglob.GLOBSTAR | wcglob.DOTGLOB)

@@ -274,9 +274,11 @@ def test_glob_prefilter_never_misses_a_match(tmp_path: Path, ws: Path, pattern: 
 def test_scan_limit_is_announced_for_masks_and_protection(
     tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ipyfence.sandbox.plan.SCAN_LIMIT", 3)
+    monkeypatch.setattr("ipyfence.sandbox.plan.SCAN_LIMIT", 5)
     for i in range(10):
         (ws / f"d{i}").mkdir()
-    plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
-    assert any("are NOT masked" in w for w in plan.warnings)
-    assert any("deeper protected paths stay writable" in w for w in plan.warnings)
+    argv, plan = rendered(tmp_path, ws, resolved_default(ws))
+    # Fail closed: the subdirectories the scan did not reach are hidden, none stays unmasked.
+    assert str(ws / "d9") in plan.unscanned and str(ws) not in plan.unscanned
+    remounted = {p for _, p in pairs(argv, "--remount-ro")}
+    assert set(plan.unscanned) <= remounted

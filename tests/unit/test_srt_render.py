@@ -266,3 +266,24 @@ def test_rendered_settings_pass_srts_own_schema(platform: srt.Platform, tmp_path
     )
     proc = subprocess.run([node, "-e", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_new_plan_fields_fail_closed_in_srt() -> None:
+    """srt cannot pin or seal: pinned ancestors and sealed dot entries become read-only; unscanned
+    subtrees and host sockets are denied for reading."""
+    paths = fake_paths("linux")
+    ws = str(paths.workspace)
+    plan = replace(
+        fake_plan(paths, "linux"),
+        pinned=(f"{ws}/nest",),
+        unscanned=(f"{ws}/flood",),
+        sockets=(f"{ws}/agent.sock",),
+        sealed=(ws,),
+        rebound=(f"{ws}/proj",),
+        sealed_entries=(f"{ws}/.config",),
+    )
+    policy = resolve_paths(load_profile("default"), paths.workspace)
+    fs = srt.render_settings(policy, plan, paths, platform="linux")["filesystem"]
+    assert f"{ws}/nest" in fs["denyWrite"] and f"{ws}/.config" in fs["denyWrite"]
+    assert f"{ws}/flood" in fs["denyRead"] and f"{ws}/flood" in fs["denyWrite"]
+    assert f"{ws}/agent.sock" in fs["denyRead"]

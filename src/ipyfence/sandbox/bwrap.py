@@ -9,6 +9,7 @@ The network namespace is unshared unless the policy allows network (install_pack
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ PRIVATE_DIRS = frozenset({"/dev/shm"})
 CPU_GRACE = 5  # CPU seconds between SIGXCPU and SIGKILL, for a cell that ignores SIGXCPU
 
 # Mount operations at the same path apply in this order; parents always come first.
-_BIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(6)
+_BIND, _PIN, _SEAL, _REBIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(9)
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,23 @@ def _depth(path: str) -> int:
 
 def _mount_ops(plan: MountPlan, paths: SandboxPaths, options: LaunchOptions) -> list[list[str]]:
     ops: list[tuple[int, int, str, list[str]]] = []
-    for p in (*plan.writable, *options.extra_writable, *plan.pinned):
+    for p in (*plan.writable, *options.extra_writable):
         ops.append((_depth(p), _BIND, p, ["--bind", p, p]))
-    hidden = [p for p in (*plan.hidden_dirs, *plan.absent_dirs) if p not in PRIVATE_DIRS]
+    for p in plan.pinned:  # after the writable root, before the read-only binds inside it
+        ops.append((_depth(p), _PIN, p, ["--bind", p, p]))
+    for p in plan.sealed:  # read-only at its root; then its non-dot entries writable again
+        ops.append((_depth(p), _SEAL, p, ["--ro-bind", p, p]))
+    for p in plan.rebound:
+        ops.append((_depth(p), _REBIND, p, ["--bind", p, p]))
+    # Nothing can be created at a sealed dir's root: placeholders there are not needed (for srt
+    # they are), and bwrap could not make their mount points in the read-only dir.
+    absent_dirs = [p for p in plan.absent_dirs if os.path.dirname(p) not in plan.sealed]
+    absent_files = [p for p in plan.absent_files if os.path.dirname(p) not in plan.sealed]
+    # /dev/shm: render gives the sandbox a private writable one instead of hiding it.
+    hidden = [p for p in (*plan.hidden_dirs, *absent_dirs, *plan.unscanned) if p not in PRIVATE_DIRS]
     for p in hidden:
         ops.append((_depth(p), _HIDE, p, ["--perms", "0555", "--tmpfs", p]))
-    for p in (*plan.masked_files, *plan.absent_files):
+    for p in (*plan.masked_files, *absent_files, *plan.sockets):
         ops.append((_depth(p), _MASK, p, ["--ro-bind", "/dev/null", p]))
     for p in plan.readonly:
         ops.append((_depth(p), _READONLY, p, ["--ro-bind", p, p]))

@@ -24,6 +24,9 @@ class Snapshot:
     inodes: tuple[tuple[str, int, int], ...]  # (path, st_dev, st_ino)
     workspace: str
     root_env_names: frozenset[str]
+    # Pinned ancestors: a host rename moves the protected path away with its mounts detached,
+    # so for these "gone" counts as replaced too.
+    pinned: tuple[tuple[str, int, int], ...] = ()
 
 
 def _is_env_name(name: str) -> bool:
@@ -41,13 +44,20 @@ def _root_env_names(workspace: str) -> frozenset[str]:
 def snapshot(plan: MountPlan, workspace: Path) -> Snapshot:
     """Take before the sandbox starts: a change in between then errs on the safe side."""
     inodes: list[tuple[str, int, int]] = []
-    for path in (*plan.masked_files, *plan.readonly):
+    for path in (*plan.masked_files, *plan.readonly, *plan.sockets):
         try:
             st = os.lstat(path)
         except OSError:
             continue
         inodes.append((path, st.st_dev, st.st_ino))
-    return Snapshot(tuple(inodes), str(workspace), _root_env_names(str(workspace)))
+    pinned: list[tuple[str, int, int]] = []
+    for path in plan.pinned:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        pinned.append((path, st.st_dev, st.st_ino))
+    return Snapshot(tuple(inodes), str(workspace), _root_env_names(str(workspace)), tuple(pinned))
 
 
 def replaced_paths(snap: Snapshot) -> list[str]:
@@ -58,6 +68,14 @@ def replaced_paths(snap: Snapshot) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue  # gone: nothing to read until it is re-created, which changes the inode
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            changed.append(path)
+    for path, dev, ino in snap.pinned:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            changed.append(path)
+            continue
         if (st.st_dev, st.st_ino) != (dev, ino):
             changed.append(path)
     return changed

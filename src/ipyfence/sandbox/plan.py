@@ -11,6 +11,9 @@ import fnmatch
 import functools
 import os
 import re
+import shutil
+import stat
+import subprocess
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from typing import Any
 from wcmatch import glob as wcglob
 
 from ipyfence.errors import SandboxError
-from ipyfence.policy import Policy, is_glob
+from ipyfence.policy import Policy, is_glob, literal_path
 
 # Paths that are always read-only inside writable roots, because writing them runs code on
 # the host later (git hooks, shell start-up, editor/agent config). Taken from
@@ -57,10 +60,21 @@ ROOT_PLACEHOLDER_DIRS = (".claude", ".vscode", ".idea", ".cursor", ".git")
 ROOT_PLACEHOLDER_FILES = (".mcp.json",)
 HOME_PLACEHOLDER_FILES = (".bashrc", ".bash_profile", ".profile", ".zshrc", ".zprofile", ".zshenv", ".gitconfig")
 
+# Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
+# ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
+HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
 
-def placeholder_names() -> frozenset[str]:
-    """Every name ipyfence may create as an empty read-only placeholder (clean-up removes only these)."""
-    return frozenset({*ROOT_PLACEHOLDER_DIRS, *ROOT_PLACEHOLDER_FILES, *HOME_PLACEHOLDER_FILES})
+
+def _scan_limit() -> int:
+    # Settable so that tests can flood the workspace cheaply; read once at import.
+    raw = os.environ.get("IPYFENCE_SCAN_LIMIT", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 200_000
+
+
+SCAN_LIMIT = _scan_limit()  # directory entries listed per scanned tree; beyond it subtrees are hidden
+LISTING_FACTOR = 4  # one directory may list up to this many times SCAN_LIMIT before it counts as unfinished
+UNSCANNED_CAP = 256  # unfinished subtrees we hide; more than this and the kernel does not start
+GLOB_FLAGS = wcglob.GLOBSTAR | wcglob.DOTGLOB | wcglob.FORCEUNIX
 
 
 # Always on: /proc paths through which root in the sandbox (a user namespace mapped to host root)
@@ -76,18 +90,10 @@ PROC_MASKED = (
     "/proc/kallsyms",
 )
 
-# With $HOME inside a writable root, these non-dot entries of $HOME stay read-only too (on PATH).
-HOME_READONLY_NAMES = frozenset({"bin"})
 
-# Host directories that hold other programs' unix sockets (docker, dbus, ssh-agent, other
-# ipyfence servers). Path sockets stay connectable across a network namespace, so hide them.
-HOST_SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm")
-
-# Directory entries looked at per writable root. A scan that cannot finish fails closed: the kernel
-# does not start (it could otherwise start with deeper .env files unmasked after a kernel flooded the
-# workspace). IPYFENCE_SCAN_LIMIT raises (or, in tests, lowers) it.
-SCAN_LIMIT = int(os.environ.get("IPYFENCE_SCAN_LIMIT", "") or 200_000)
-GLOB_FLAGS = wcglob.GLOBSTAR | wcglob.DOTGLOB | wcglob.FORCEUNIX
+def placeholder_names() -> frozenset[str]:
+    """Every name ipyfence may create as an empty read-only placeholder (clean-up removes only these)."""
+    return frozenset({*ROOT_PLACEHOLDER_DIRS, *ROOT_PLACEHOLDER_FILES, *HOME_PLACEHOLDER_FILES})
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,12 @@ class MountPlan:
     warnings: tuple[str, ...]  # things the user should know (scan limits, unhonoured entries)
     absent_files: tuple[str, ...] = ()  # protected names that do not exist: read-only empty placeholders
     absent_dirs: tuple[str, ...] = ()  # same, for directories
-    pinned: tuple[str, ...] = ()  # ancestors of protected paths, bound onto themselves: a mount cannot be renamed
+    pinned: tuple[str, ...] = ()  # ancestors of protected paths bound onto themselves: a mount point cannot be renamed
+    unscanned: tuple[str, ...] = ()  # subtrees the scan did not finish: hidden (empty read-only), fail closed
+    sockets: tuple[str, ...] = ()  # host unix sockets not the kernel's (agents, docker): masked with /dev/null
+    sealed: tuple[str, ...] = ()  # writable dirs made read-only at their root ($HOME): nothing new appears there
+    rebound: tuple[str, ...] = ()  # entries of a sealed dir bound back writable (non-dot dirs and files of ~)
+    sealed_entries: tuple[str, ...] = ()  # entries of a sealed dir left read-only (dot entries); for srt
     proc_readonly: tuple[str, ...] = ()  # /proc paths that change the host: read-only (always on)
     proc_masked: tuple[str, ...] = ()  # /proc files that leak host state: masked (always on)
 
@@ -137,7 +148,12 @@ class _Tree:
     """One directory tree as os.walk lists it (no symlinks followed), up to SCAN_LIMIT entries."""
 
     entries: tuple[tuple[str, list[str], list[str]], ...]
-    complete: bool  # False: the limit was hit and deeper entries are missing
+    unfinished: tuple[str, ...] = ()  # directories whose subtree was not (fully) listed
+    sockets: tuple[str, ...] = ()  # unix sockets found on the way
+
+    @property
+    def complete(self) -> bool:
+        return not self.unfinished
 
 
 class _Trees:
@@ -151,27 +167,57 @@ class _Trees:
             self._trees[root] = _list_tree(root, SCAN_LIMIT)
         return self._trees[root]
 
+    def all(self) -> list[_Tree]:
+        return list(self._trees.values())
+
 
 def _list_tree(root: str, limit: int) -> _Tree:
+    """Depth-first listing like ``os.walk`` (symlinks to dirs listed, not followed).
+
+    When ``limit`` entries have been listed, the directories not yet (fully) listed are
+    returned as ``unfinished``: depth first keeps that list short (the pending siblings on
+    one path), and the caller hides them rather than trusting a partial scan.
+    """
     entries: list[tuple[str, list[str], list[str]]] = []
+    sockets: list[str] = []
     seen = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        entries.append((dirpath, dirnames, filenames))
-        seen += len(dirnames) + len(filenames)
-        if seen > limit:
-            return _Tree(tuple(entries), complete=False)
-    return _Tree(tuple(entries), complete=True)
-
-
-def raise_incomplete(root: str, tree: _Tree) -> None:
-    """Fail closed: a scan that stopped early cannot say which secret files to mask."""
-    biggest = sorted(tree.entries, key=lambda e: len(e[1]) + len(e[2]), reverse=True)[:3]
-    where = ", ".join(f"{os.path.relpath(d, root)} ({len(ds) + len(fs)} entries)" for d, ds, fs in biggest)
-    raise SandboxError(
-        f"the workspace scan of {root} stopped after {SCAN_LIMIT} entries, so ipyfence cannot find every "
-        f".env file to mask and will not start a kernel without them. Largest directories seen: {where}. "
-        "Remove files there, or raise the limit with the environment variable IPYFENCE_SCAN_LIMIT."
-    )
+    stack = [root]
+    while stack:
+        top = stack.pop()
+        if seen >= limit:
+            return _Tree(tuple(entries), (top, *reversed(stack)), tuple(sockets))
+        dirnames: list[str] = []
+        filenames: list[str] = []
+        descend: list[str] = []
+        try:
+            with os.scandir(top) as it:
+                for entry in it:
+                    seen += 1
+                    # A directory once begun is listed whole (its names are checked), up to a
+                    # hard bound: a flood of names in one directory must not exhaust memory.
+                    if seen > LISTING_FACTOR * limit:
+                        partial: tuple[tuple[str, list[str], list[str]], ...] = (
+                            (top, [], [""] * (len(dirnames) + len(filenames))),
+                        )
+                        return _Tree(tuple(entries) + partial, (top, *reversed(stack)), tuple(sockets))
+                    try:
+                        if entry.is_dir():
+                            dirnames.append(entry.name)
+                            if not entry.is_symlink():
+                                descend.append(entry.path)
+                            continue
+                        filenames.append(entry.name)
+                        # Sockets are neither files nor dirs; stat only those rare entries.
+                        rare = not entry.is_file() and not entry.is_symlink()
+                        if rare and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                            sockets.append(entry.path)
+                    except OSError:
+                        filenames.append(entry.name)
+        except OSError:
+            continue  # unreadable (or vanished): nothing the kernel can read there either
+        entries.append((top, dirnames, filenames))
+        stack.extend(reversed(descend))
+    return _Tree(tuple(entries), (), tuple(sockets))
 
 
 def _glob_base(pattern: str) -> str:
@@ -182,7 +228,7 @@ def _glob_base(pattern: str) -> str:
         if is_glob(part):
             break
         base.append(part)
-    return "/".join(base) or "/"
+    return literal_path("/".join(base)) or "/"
 
 
 def _matches(path: str, patterns: Iterable[str]) -> bool:
@@ -207,7 +253,7 @@ def _compiled(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern[str
     simple = tails and all("**" not in t and "[" not in t and "\\" not in t for t in tails)
     tail = re.compile("|".join(fnmatch.translate(t) for t in tails)) if simple else None
     matcher = wcglob.compile(globs, flags=GLOB_FLAGS) if globs else None
-    return frozenset(p for p in patterns if not is_glob(p)), tail, matcher
+    return frozenset(literal_path(p) for p in patterns if not is_glob(p)), tail, matcher
 
 
 def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str]) -> tuple[list[str], list[str]]:
@@ -233,8 +279,6 @@ def _find_globbed(patterns: tuple[str, ...], trees: _Trees, warnings: list[str])
                 full = os.path.join(dirpath, name)
                 if _matches(full, pats):
                     dirs.append(full)
-        if not tree.complete:
-            raise_incomplete(base, tree)
     return files, dirs
 
 
@@ -271,60 +315,156 @@ def _protected_in(root: str, allow_git_config: bool, trees: _Trees) -> list[str]
     return found
 
 
-# When a repository's git config cannot be read, these conventional hook directories are protected anyway.
-FALLBACK_HOOK_DIRS = (".githooks", ".husky")
-GIT_TIMEOUT = 10.0  # seconds for one `git config` read
+# --- git configuration that names in-tree files ---------------------------------------------
+
+# The user's git runs core.hooksPath and reads include.path / includeIf.*.path: when those name
+# a path the kernel can write, the kernel plants hooks or config. Read with the system git at
+# a fixed path and a cleared environment: ``git config`` only parses, it executes nothing.
+GIT_SEARCH_PATH = "/usr/local/bin:/usr/bin:/bin"
+GIT_KEYS = r"^(core\.hookspath|include\.path|includeif\..*\.path)$"
+GIT_TIMEOUT = 10
+GIT_MAX_FILES = 64  # config files followed per plan (includes of includes)
 
 
-def _git_config_paths(git: str, args: list[str]) -> list[str] | None:
-    """Values of a `git config --null` query; [] when unset, None when git failed (fail closed)."""
-    import subprocess
+@dataclass(frozen=True)
+class _GitRefs:
+    hooks: tuple[str, ...]  # absolute core.hooksPath dirs (relative ones resolved per work tree)
+    includes: tuple[str, ...]  # absolute included config files
+    warnings: tuple[str, ...]
 
-    env = {"PATH": "/usr/bin:/bin", "HOME": os.path.expanduser("~"), "LANG": "C"}
+
+_GitEntries = list[tuple[str, str, str]]
+_git_cache: dict[tuple[str, ...], tuple[tuple[object, ...], _GitEntries | None]] = {}
+
+
+def _scope_files(scope: list[str]) -> list[str]:
+    """The files a scope reads (their stat is the cache key): re-planning a standby at every
+    reset must not cost a git process per scope when nothing changed."""
+    if scope[0] == "--file":
+        return [scope[1]]
+    if scope[0] == "--global":
+        xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+        return [os.path.expanduser("~/.gitconfig"), os.path.join(xdg, "git", "config")]
+    return ["/etc/gitconfig", "/usr/local/etc/gitconfig"]
+
+
+def _signature(files: list[str]) -> tuple[object, ...]:
+    out: list[object] = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
+def _git_read(git: str, scope: list[str]) -> _GitEntries | None:
+    key = (git, *scope, os.path.expanduser("~"))
+    signature = _signature(_scope_files(scope))
+    cached = _git_cache.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    entries = _git_run(git, scope)
+    _git_cache[key] = (signature, entries)
+    return entries
+
+
+def _git_run(git: str, scope: list[str]) -> _GitEntries | None:
+    """(origin file, key, value) for the keys above; None when git could not read the config."""
+    home = os.path.expanduser("~")
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "LC_ALL": "C"}
+    xdg = os.environ.get("XDG_CONFIG_HOME", "")
+    if os.path.isabs(xdg):  # the user's git reads $XDG_CONFIG_HOME/git/config: so do we
+        env["XDG_CONFIG_HOME"] = xdg
+    cmd = [git, "config", *scope, "--includes", "--null", "--show-origin", "--get-regexp", GIT_KEYS]
     try:
-        proc = subprocess.run(
-            [git, "config", "--null", *args], capture_output=True, timeout=GIT_TIMEOUT, env=env, cwd="/", check=False
-        )
+        done = subprocess.run(cmd, env=env, cwd="/", capture_output=True, timeout=GIT_TIMEOUT, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    if proc.returncode == 1:  # the key is not set
+    if done.returncode == 1:  # no such key (or no such file)
         return []
-    if proc.returncode != 0:
+    if done.returncode != 0:
         return None
-    out = proc.stdout.decode("utf-8", errors="replace").split("\0")
-    if "--get-regexp" in args:  # "key\nvalue" records
-        return [item.split("\n", 1)[1] for item in out if "\n" in item]
-    return [item for item in out if item]
+    fields = done.stdout.decode("utf-8", "surrogateescape").split("\0")
+    out: _GitEntries = []
+    for origin, entry in zip(fields[0::2], fields[1::2], strict=False):
+        key, _, value = entry.partition("\n")
+        out.append((origin.removeprefix("file:"), key, value))
+    return out
 
 
-def git_hook_paths(repos: list[str], writable: list[str], warnings: list[str]) -> list[str]:
-    """Paths inside writable roots that the repos' git config makes git run or read as config:
-    ``core.hooksPath`` (relative to the work tree) and ``include``/``includeIf`` files. `git config`
-    only reads; it runs nothing. A config that cannot be read protects the usual hook dirs instead."""
-    import shutil
+def _expand(value: str, base: str) -> str:
+    value = os.path.expanduser(value) if value.startswith("~") else value
+    return os.path.normpath(os.path.join(base, value))
 
-    from ipyfence.mcptools.hostlaunch import safe_path
 
-    found: list[str] = []
-    git = shutil.which("git", path=safe_path(os.environ.get("PATH", "/usr/bin:/bin"), writable))
-    global_hooks = (_git_config_paths(git, ["--global", "--get-all", "core.hooksPath"]) or []) if git and repos else []
-    for repo in repos:
-        config = os.path.join(repo, ".git", "config")
-        if not os.path.isfile(config):
+def git_config_refs(repos: Iterable[str]) -> _GitRefs:
+    """Hook dirs and include files named by the system, global and each repo's config.
+
+    ``repos`` are work tree roots (the directory holding ``.git``). A relative hooksPath is
+    relative to the work tree, also when it comes from the global config.
+    """
+    git = shutil.which("git", path=GIT_SEARCH_PATH)
+    repos = list(repos)
+    if git is None:
+        return _GitRefs((), (), ("git not found: hook paths named by git config were not checked",))
+    warnings: list[str] = []
+    hooks: list[str] = []
+    includes: list[str] = []
+    global_hooks: list[str] = []
+    queue: list[tuple[list[str], str | None]] = [(["--system"], None), (["--global"], None)]
+    queue += [(["--file", os.path.join(r, ".git", "config")], r) for r in repos]
+    seen: set[str] = set()
+    while queue and len(seen) < GIT_MAX_FILES:
+        scope, tree = queue.pop(0)
+        entries = _git_read(git, scope)
+        if entries is None:
+            # git itself would refuse this config too, so it runs no hooks from it; say so.
+            warnings.append(f"git could not read its config ({' '.join(scope)}); hook paths in it were not checked")
             continue
-        hooks = _git_config_paths(git, ["--file", config, "--includes", "--get-all", "core.hooksPath"]) if git else None
-        includes = (
-            _git_config_paths(git, ["--file", config, "--get-regexp", r"^include(if\..+)?\.path$"]) if git else None
-        )
-        if hooks is None or includes is None:
-            warnings.append(f"cannot read {config}: protecting {', '.join(FALLBACK_HOOK_DIRS)} in {repo} instead")
-            found += [os.path.join(repo, d) for d in FALLBACK_HOOK_DIRS]
+        for origin, key, value in entries:
+            if key == "core.hookspath":
+                if os.path.isabs(os.path.expanduser(value)):
+                    hooks.append(_expand(value, "/"))
+                elif tree is not None:
+                    hooks.append(_expand(value, tree))
+                else:
+                    global_hooks.append(value)  # from system/global: relative to every repo
+            else:
+                path = _expand(value, os.path.dirname(origin) or "/")
+                includes.append(path)
+                if path not in seen and os.path.isfile(path):
+                    seen.add(path)
+                    queue.append((["--file", path], tree))  # includeIf conditions: follow them all
+    hooks += [_expand(h, r) for h in global_hooks for r in repos]
+    return _GitRefs(tuple(dict.fromkeys(hooks)), tuple(dict.fromkeys(includes)), tuple(warnings))
+
+
+def _git_protection(
+    repos: list[str], writable: list[str], covered: list[str]
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(read-only paths, absent files, absent dirs, warnings) for git-named paths in writable roots.
+
+    A missing path becomes a read-only placeholder at its topmost missing ancestor, so the
+    kernel can create neither it nor a directory on the way to it.
+    """
+    refs = git_config_refs(repos)
+    readonly: list[str] = []
+    absent_files: list[str] = []
+    absent_dirs: list[str] = []
+    for path, is_dir in [*((h, True) for h in refs.hooks), *((i, False) for i in refs.includes)]:
+        if not any(_under(path, w) and path != w for w in writable) or any(_under(path, c) for c in covered):
+            continue  # not writable, or inside a path that is read-only or hidden already
+        if os.path.lexists(path):
+            readonly.append(path)
             continue
-        for value in [*hooks, *global_hooks]:
-            found.append(os.path.normpath(os.path.join(repo, os.path.expanduser(value))))
-        for value in includes:
-            found.append(os.path.normpath(os.path.join(os.path.dirname(config), os.path.expanduser(value))))
-    return [p for p in dict.fromkeys(found) if any(_under(p, w) for w in writable)]
+        top = path
+        while not os.path.lexists(os.path.dirname(top)):
+            top = os.path.dirname(top)
+        (absent_dirs if is_dir or top != path else absent_files).append(top)
+    return readonly, absent_files, absent_dirs, list(refs.warnings)
 
 
 def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
@@ -332,36 +472,25 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     fs = policy.filesystem
     warnings: list[str] = []
 
-    writable = [p for p in fs.allow_write if not is_glob(p) and os.path.isdir(p)]
+    writable = [literal_path(p) for p in fs.allow_write if not is_glob(p) and os.path.isdir(literal_path(p))]
     for p in fs.allow_write:
         if is_glob(p):
             warnings.append(f"allowWrite glob {p!r} is not supported by bwrap and was ignored")
-        elif not os.path.exists(p):
+        elif not os.path.exists(literal_path(p)):
             warnings.append(f"allowWrite {p!r} does not exist and was ignored")
-
-    # --workspace ~ (or a parent of it): the home root itself is read-only, so no new start-up file
-    # (.bash_aliases, .config/…, .local/bin, .ssh/config, systemd units, autostart) can be created or
-    # renamed into place, every dot entry stays read-only, and only the existing non-dot directories
-    # and files (except bin/, which .profile puts on PATH) are bound back writable.
-    home = os.path.realpath(os.path.expanduser("~"))
-    home_rule = os.path.isdir(home) and any(_under(home, w) for w in writable)
-    home_writable: list[str] = []
-    if home_rule:
-        with os.scandir(home) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") or entry.name in HOME_READONLY_NAMES or entry.is_symlink():
-                    continue
-                if entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False):
-                    home_writable.append(entry.path)
 
     trees = _Trees()
     globbed_files, globbed_dirs = _find_globbed(fs.deny_read, trees, warnings)
-    literal = [p for p in fs.deny_read if not is_glob(p) and os.path.lexists(p)]
+    literal = [literal_path(p) for p in fs.deny_read if not is_glob(p) and os.path.lexists(literal_path(p))]
     deny_files = globbed_files + [p for p in literal if not os.path.isdir(p)]
     deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
     masked_files = [p for p in deny_files if not _matches(p, fs.allow_read)]
     hidden = [p for p in deny_dirs if not _matches(p, fs.allow_read)]
-    reallowed = [p for p in fs.allow_read if not is_glob(p) and os.path.exists(p) and any(_under(p, d) for d in hidden)]
+    reallowed = [
+        literal_path(p)
+        for p in fs.allow_read
+        if not is_glob(p) and os.path.exists(literal_path(p)) and any(_under(literal_path(p), d) for d in hidden)
+    ]
 
     # Other programs' sockets, other kernels' state, and ipyfence's own persistent state.
     for d in (*HOST_SOCKET_DIRS, str(paths.runtime_root), str(paths.state_root)):
@@ -371,20 +500,20 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     readonly: list[str] = []
     for root in writable:
         readonly += _protected_in(root, fs.allow_git_config, trees)
-        if not trees(root).complete:
-            raise_incomplete(root, trees(root))
-    repos = [os.path.dirname(p) for p in readonly if os.path.basename(p) == ".git" and os.path.isdir(p)]
-    repos += [os.path.dirname(os.path.dirname(p)) for p in readonly if p.endswith("/.git/hooks")]  # allowGitConfig
-    hook_paths = git_hook_paths(repos, writable, warnings)
-    readonly += [p for p in hook_paths if os.path.lexists(p) and not os.path.islink(p)]
-    git_absent = [p for p in hook_paths if not os.path.lexists(p)]
-    readonly += [p for p in fs.deny_write if not is_glob(p) and os.path.exists(p)]
-    if home_rule:
-        readonly.append(home)
+    readonly += [literal_path(p) for p in fs.deny_write if not is_glob(p) and os.path.exists(literal_path(p))]
     readonly += [str(p) for p in paths.server_install if any(_under(str(p), w) for w in writable)]
+    unscanned = _unscanned(trees, paths, writable, hidden)
+    sealed, home_rebound, home_dots = _home_profile(writable)
+    repos = [os.path.dirname(p) for p in readonly if os.path.basename(p) == ".git"]
+    repos += [p.removesuffix("/.git/hooks") for p in readonly if p.endswith("/.git/hooks")]
+    git_ro, git_files, git_dirs, git_warnings = _git_protection(
+        list(dict.fromkeys(repos)), writable, [*readonly, *hidden, *unscanned, *home_dots]
+    )
+    readonly += git_ro
+    warnings += git_warnings
     # The kernel runs from the server's install: if that lives under a directory the sandbox
     # replaces (a checkout in /tmp, say), bind it back read-only.
-    replaced = ["/tmp", *hidden]
+    replaced = ["/tmp", *hidden, *unscanned]
     reallowed += [
         str(p)
         for p in paths.server_install
@@ -393,21 +522,13 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     if paths.packages_dir is not None and paths.packages_dir.is_dir():
         reallowed.append(str(paths.packages_dir))
     absent_files, absent_dirs = _absent_placeholders(paths.workspace, writable, fs.allow_git_config)
-    if home_rule:  # the home root is read-only as a whole: no placeholders needed (or left) there
-        absent_files = tuple(p for p in absent_files if os.path.dirname(p) != home)
-        absent_dirs = tuple(p for p in absent_dirs if os.path.dirname(p) != home)
-        writable += home_writable
-    absent_dirs += tuple(p for p in git_absent if p not in absent_dirs)  # e.g. a hooksPath not made yet
+    absent_files += tuple(p for p in git_files if p not in absent_files)
+    absent_dirs += tuple(p for p in git_dirs if p not in absent_dirs)
+    pinned = _pinned([*readonly, *absent_files, *absent_dirs], [*writable, *home_rebound], sealed)
+    rebound = [*writable, *reallowed]
+    sockets = _sockets(trees, policy, [*replaced, *masked_files], rebound)
+    sockets = tuple(p for p in sockets if not _under(p, str(paths.kernel_dir)))  # the kernel's own (bridge)
 
-    # A protected path's ancestors are pinned: otherwise the kernel renames `sub` away (its read-only
-    # `sub/.git` moves with it, on the host too) and plants a fresh `sub/.git/hooks` the user's git runs.
-    pinned: list[str] = []
-    for path in readonly:
-        owner = next((w for w in writable if _under(path, w) and path != w), None)
-        parent = os.path.dirname(path)
-        while owner is not None and parent != owner and _under(parent, owner):
-            pinned.append(parent)
-            parent = os.path.dirname(parent)
     return MountPlan(
         writable=tuple(dict.fromkeys(writable)),
         hidden_dirs=tuple(dict.fromkeys(hidden)),
@@ -417,10 +538,146 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
         warnings=tuple(warnings),
         absent_files=absent_files,
         absent_dirs=absent_dirs,
-        pinned=tuple(sorted(set(pinned))),
+        pinned=pinned,
+        sealed=sealed,
+        rebound=home_rebound,
+        sealed_entries=home_dots,
+        unscanned=unscanned,
+        sockets=sockets,
         proc_readonly=tuple(p for p in PROC_READONLY if os.path.exists(p)),
         proc_masked=tuple(p for p in PROC_MASKED if os.path.exists(p)),
     )
+
+
+# $HOME inside a writable root (``--workspace ~``): far more than the rc files runs from it
+# (~/.config/{git,fish,autostart,systemd}, ~/.local/bin on PATH, ~/.ssh/config, site-packages in
+# ~/.local/lib, editor and agent configs). No list is complete, so the home is sealed instead:
+# read-only at its root, every dot entry read-only, only non-dot entries bound back writable.
+HOME_KEPT_READONLY = frozenset({"bin"})  # ~/bin is on PATH via ~/.profile
+
+
+def _home_profile(writable: list[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(sealed, rebound writable, dot entries) when $HOME lies inside a writable root."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home == "/" or not any(_under(home, w) for w in writable):
+        return (), (), ()
+    rebound: list[str] = []
+    dots: list[str] = []
+    try:
+        with os.scandir(home) as it:
+            for entry in sorted(it, key=lambda e: e.name):
+                if entry.name.startswith("."):
+                    dots.append(entry.path)
+                elif entry.name in HOME_KEPT_READONLY or entry.is_symlink():
+                    continue
+                elif entry.is_dir(follow_symlinks=False) or entry.is_file(follow_symlinks=False):
+                    rebound.append(entry.path)
+    except OSError:
+        pass  # unreadable home: sealed as a whole, nothing bound back
+    return (home,), tuple(rebound), tuple(dots)
+
+
+def _pinned(protected: Iterable[str], writable: list[str], sealed: Iterable[str] = ()) -> tuple[str, ...]:
+    """Every directory strictly between a writable root and a protected path inside it.
+
+    Bound onto itself, each becomes a mount point, and rename() of a mount point fails
+    (EBUSY): otherwise ``mv sub sub2`` carries the read-only ``sub/.git`` away and the kernel
+    makes a fresh ``sub/.git`` with hooks.
+    """
+    out: set[str] = set()
+    for path in protected:
+        roots = [w for w in writable if _under(path, w) and path != w]
+        if not roots:
+            continue
+        root = max(roots, key=len)
+        if any(_under(path, d) and len(d) > len(root) for d in sealed):
+            continue  # inside a read-only sealed dir (a dot dir of ~): nothing to pin, nothing writable
+        parent = os.path.dirname(path)
+        while parent != root and _under(parent, root):
+            out.add(parent)
+            parent = os.path.dirname(parent)
+    return tuple(sorted(out, key=lambda p: (p.count("/"), p)))
+
+
+def _unscanned(trees: _Trees, paths: SandboxPaths, writable: list[str], hidden: list[str]) -> tuple[str, ...]:
+    """Subtrees a scan did not finish: hidden, or a refusal when that cannot be done safely."""
+    out: list[str] = []
+    for tree in trees.all():
+        out += [d for d in tree.unfinished if not any(_under(d, h) for h in hidden)]
+    if not out:
+        return ()
+    needed = [str(paths.workspace), *writable, str(paths.kernel_dir)]
+    fatal = [d for d in out if any(_under(n, d) for n in needed)]
+    if fatal or len(out) > UNSCANNED_CAP:
+        biggest = _biggest(trees)
+        raise SandboxError(
+            f"the workspace scan for secrets and protected files stopped at {SCAN_LIMIT} entries and "
+            + (
+                f"cannot hide {fatal[0]} (the kernel needs it)"
+                if fatal
+                else f"left {len(out)} directories unscanned (at most {UNSCANNED_CAP} can be hidden)"
+            )
+            + f"; the kernel was not started. Largest directories: {', '.join(biggest)}. "
+            "Remove files there, or raise the limit with IPYFENCE_SCAN_LIMIT."
+        )
+    return tuple(dict.fromkeys(out))
+
+
+def _biggest(trees: _Trees, n: int = 3) -> list[str]:
+    sizes = [(len(d) + len(f), p) for t in trees.all() for p, d, f in t.entries]
+    return [f"{p} ({size} entries)" for size, p in sorted(sizes, reverse=True)[:n]]
+
+
+# Well-known agent sockets under $HOME: each lets its holder sign, decrypt or run containers.
+HOME_SOCKETS = (".gnupg/S.*", ".docker/run/docker.sock", ".1password/agent.sock", ".ssh/agent*", ".ssh/agent*/*")
+
+
+def _agent_socket_candidates(environ: dict[str, str] | None = None) -> list[str]:
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    if env.get("SSH_AUTH_SOCK"):
+        out.append(env["SSH_AUTH_SOCK"])
+    docker = env.get("DOCKER_HOST", "")
+    if docker.startswith("unix://"):
+        out.append(docker[len("unix://") :])
+    if env.get("GPG_AGENT_INFO"):
+        out.append(env["GPG_AGENT_INFO"].split(":", 1)[0])
+    home = os.path.expanduser("~")
+    for pattern in HOME_SOCKETS:
+        out += wcglob.glob(wcglob.escape(home) + "/" + pattern, flags=GLOB_FLAGS)
+    return out
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)  # follows links: the bind would too
+    except OSError:
+        return False
+
+
+def _visible(path: str, replaced: list[str], rebound: list[str]) -> bool:
+    """Is ``path`` still the host's file in the sandbox (the deepest mount over it decides)?"""
+    hide = max((len(d) for d in replaced if _under(path, d)), default=-1)
+    show = max((len(d) for d in rebound if _under(path, d)), default=-1)
+    return show >= hide
+
+
+def _sockets(trees: _Trees, policy: Policy, replaced: list[str], rebound: list[str]) -> tuple[str, ...]:
+    """Host sockets the kernel could connect to: the scan's finds plus the well-known agents.
+
+    Read-only mounts do not stop connect(), so each is masked with /dev/null. Sockets under a
+    hidden or replaced dir (/tmp, /run, the kernel's own dir) are gone already unless a
+    writable root binds them back; allowUnixSockets entries stay.
+    """
+    allowed = {os.path.realpath(literal_path(p)) for p in policy.network.allow_unix_sockets}
+    found: list[str] = [s for t in trees.all() for s in t.sockets]
+    found += [os.path.realpath(p) for p in _agent_socket_candidates() if os.path.isabs(p)]
+    out = [
+        p
+        for p in dict.fromkeys(found)
+        if _is_socket(p) and p not in allowed and os.path.realpath(p) not in allowed and _visible(p, replaced, rebound)
+    ]
+    return tuple(out)
 
 
 def _absent_placeholders(

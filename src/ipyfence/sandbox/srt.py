@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ipyfence.errors import SandboxError
 from ipyfence.policy import Policy
 from ipyfence.sandbox.bwrap import LaunchOptions, limits_prefix
 from ipyfence.sandbox.plan import GIT_CONFIG, HOST_SOCKET_DIRS, PROTECTED_DIRS, PROTECTED_FILES, MountPlan, SandboxPaths
@@ -36,6 +37,7 @@ Platform = Literal["linux", "darwin"]
 
 # Top-level srt keys that only mean something on one platform. Passed through either way
 # (srt ignores them), but the user is told they have no effect.
+SRT_GLOB_CHARS = frozenset("*?[]{}")  # paths srt would read as globs
 DARWIN_ONLY_TOP = frozenset({"allowPty", "allowAppleEvents", "enableWeakerNetworkIsolation"})
 DARWIN_ONLY_NET = frozenset({"allowMachLookup"})
 LINUX_ONLY_TOP = frozenset(
@@ -117,7 +119,7 @@ def _deny_read(policy: Policy, plan: MountPlan, platform: Platform) -> list[str]
     # Globs stay globs: srt expands them with ripgrep at launch (Linux) or matches them
     # natively (macOS). The files the plan found are listed as well, in case srt's own
     # expansion differs from ipyfence's (depth, ignore files).
-    return _dedupe([*policy.filesystem.deny_read, *plan.masked_files, *hidden])
+    return _dedupe([*policy.filesystem.deny_read, *plan.masked_files, *hidden, *plan.unscanned, *plan.sockets])
 
 
 def _allow_read(policy: Policy, plan: MountPlan, paths: SandboxPaths, platform: Platform) -> list[str]:
@@ -134,7 +136,13 @@ def _protected_globs(roots: Sequence[str], allow_git_config: bool) -> list[str]:
 
 
 def _deny_write(policy: Policy, plan: MountPlan, user_roots: Sequence[str], platform: Platform) -> list[str]:
-    out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs]
+    # srt cannot bind a directory onto itself, so the ancestors bwrap pins against rename() are
+    # made read-only as a whole instead: fail closed (nested repos' parents become read-only).
+    out = [*policy.filesystem.deny_write, *plan.readonly, *plan.absent_files, *plan.absent_dirs, *plan.pinned]
+    out += list(plan.unscanned)
+    # srt cannot seal $HOME and bind entries back: its existing dot entries are read-only, but
+    # new top-level names can still be created there (the classic rc files get placeholders).
+    out += list(plan.sealed_entries)
     if platform == "darwin":
         out += _protected_globs(user_roots, policy.filesystem.allow_git_config)
     # On Linux srt drops write globs (bwrap needs real paths); the existing protected paths
@@ -149,6 +157,14 @@ def render_settings(
     options = options or LaunchOptions()
     net = policy.network
     writable = _dedupe([*plan.writable, *options.extra_writable, str(paths.kernel_dir)])
+    globby = [p for p in (*writable, str(paths.workspace)) if any(ch in p for ch in SRT_GLOB_CHARS)]
+    if globby:
+        # srt reads such paths as globs (and drops write globs on Linux): its rules would not
+        # mean what the plan says. Refuse rather than run with rules that never match.
+        raise SandboxError(
+            f"the srt backend cannot express the path {globby[0]!r}: it contains glob characters "
+            f"({' '.join(sorted(SRT_GLOB_CHARS))}). Use --sandbox-backend bwrap, or rename the directory."
+        )
     network: dict[str, Any] = {
         "allowedDomains": list(net.allowed_domains),
         "deniedDomains": list(net.denied_domains),
