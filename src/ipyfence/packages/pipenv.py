@@ -96,6 +96,9 @@ def pip_env(
             # pip sees what the kernel sees: user packages over the server's environment.
             "PYTHONPATH": str(settings.packages_dir),
             "PYTHONNOUSERSITE": "1",
+            # No cwd or script directory on sys.path for pip or any Python it starts: pip's cwd
+            # is its private dir, but build code could write there between the two pip runs.
+            "PYTHONSAFEPATH": "1",
             "PIP_CACHE_DIR": str(cache_dir),
             "PIP_NO_INPUT": "1",
             "PIP_PROGRESS_BAR": "off",

@@ -43,6 +43,7 @@ class LaunchOptions:
     network: bool = False  # share the host network (only for pip in install_package)
     extra_writable: tuple[str, ...] = ()  # e.g. the package dir and pip cache while installing
     die_with_stdin: bool = False  # kill everything inside when stdin (a pipe the server holds) closes
+    chdir: str = ""  # working directory inside ("" = the workspace); pip's is its private dir
 
 
 DEFAULT_OPTIONS = LaunchOptions()
@@ -122,7 +123,7 @@ def render(
     cmd += ["--tmpfs", "/tmp"]
     for op in _mount_ops(plan, paths, options):
         cmd += op
-    cmd += ["--chdir", str(paths.workspace), "--"]
+    cmd += ["--chdir", options.chdir or str(paths.workspace), "--"]
     if options.die_with_stdin:
         cmd += ["/bin/sh", "-c", STDIN_WATCH, "ipyfence-watch"]
     cmd += [*limits_prefix(policy.limits), *argv]
