@@ -59,6 +59,7 @@ class PackageInstaller:
         self.settings = settings
         self.session = session
         self._lock = asyncio.Lock()
+        self._deadline: tuple[Path, float] | None = None  # (pip's private dir, monotonic deadline)
 
     @property
     def cache_dir(self) -> Path:
@@ -112,7 +113,11 @@ class PackageInstaller:
         # so a planted ./pip/ can never run in pip's place. "--" ends pip's options: a validated
         # spec can never be read as one.
         argv = [sys.executable, "-P", "-m", "pip", "install", "--quiet", *options, "--", *specs]
-        timeout = float(limits.install_seconds) if limits.install_seconds else None
+        # One budget for the whole install (both pip runs share ``work``), not one per run.
+        if self._deadline is None or self._deadline[0] != work:
+            self._deadline = (work, time.monotonic() + limits.install_seconds)
+        timeout = max(0.0, self._deadline[1] - time.monotonic()) if limits.install_seconds else None
+        refused: list[str] = []
         async with contextlib.AsyncExitStack() as stack:
             if sandboxed_bwrap:
                 gate = await stack.enter_async_context(
@@ -120,18 +125,32 @@ class PackageInstaller:
                 )
                 env.update(gate.proxy_env())
                 argv = gate.forwarder_argv(argv)
-            launch = build_launch(self.settings, paths, env, argv, options=launch_options)
+                refused = gate.refused
+            # Planning walks the workspace (for .env files): keep that off the event loop.
+            launch = await asyncio.to_thread(build_launch, self.settings, paths, env, argv, options=launch_options)
             groups = self._groups()
             run_argv = groups.wrap(launch.argv) if groups is not None else launch.argv
             try:
                 code, output = await _run(run_argv, launch.env, work, timeout, groups)
+            except _TimedOut as exc:
+                raise PackageInstallError(
+                    f"pip did not finish within limits.installSeconds={limits.install_seconds}s and was "
+                    f"stopped, with everything it started:\n{exc.tail}"
+                ) from None
             finally:
                 if groups is not None:
                     await asyncio.to_thread(groups.remove)
         if code != 0:
             where = "" if launch.backend == "none" else f" (in the {launch.backend} sandbox)"
+            note = ""
+            if refused:
+                shown = ", ".join(sorted(set(refused))[:5])
+                note = (
+                    f"\npip's network reaches only the package index it is configured with; refused: {shown}. "
+                    "Configure another index with PIP_INDEX_URL / PIP_EXTRA_INDEX_URL or pip.conf."
+                )
             raise PackageInstallError(
-                f"pip could not install {spec.text!r}{where}, exit code {code}:\n{trim_output(output)}"
+                f"pip could not install {spec.text!r}{where}, exit code {code}:\n{trim_output(output)}{note}"
             )
 
     def _groups(self) -> KernelGroups | None:
@@ -172,6 +191,12 @@ class PackageInstaller:
         log.warning("the kernel did not confirm the import-cache refresh within %.0fs", REFRESH_TIMEOUT)
 
 
+class _TimedOut(Exception):
+    def __init__(self, tail: str) -> None:
+        super().__init__("timed out")
+        self.tail = tail
+
+
 async def _run(
     argv: list[str], env: dict[str, str], cwd: Path, timeout: float | None, groups: KernelGroups | None = None
 ) -> tuple[int, str]:
@@ -201,11 +226,7 @@ async def _run(
     except TimeoutError:
         await _kill(proc.pid, groups)
         await proc.wait()
-        tail = trim_output(buf.decode(errors="replace"))
-        raise PackageInstallError(
-            f"pip did not finish within {timeout:.0f}s (limits.installSeconds) and was stopped, "
-            f"with everything it started:\n{tail}"
-        ) from None
+        raise _TimedOut(trim_output(buf.decode(errors="replace"))) from None
     finally:
         if proc.returncode is None:  # cancelled
             with contextlib.suppress(BaseException):

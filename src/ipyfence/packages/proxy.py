@@ -167,7 +167,7 @@ def allowed_destinations(spec: PackageSpec, environ: Mapping[str, str]) -> froze
     if not has_index:
         found |= {d for u in DEFAULT_INDEX if (d := _destination(u, private_ok=False))}
     spec_url = spec.text if spec.kind == "url" else None
-    if spec.kind == "requirement" and "@" in spec.text:
+    if spec.name and "@" in spec.text:  # "name @ URL"
         with contextlib.suppress(InvalidRequirement):
             spec_url = Requirement(spec.text).url
     if spec_url and (d := _destination(spec_url, private_ok=False)):
