@@ -13,6 +13,7 @@ it (configured index, so loopback is allowed for it) and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import http.server
@@ -33,7 +34,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from ipyfence.packages.installer import read_private_file
-from ipyfence.packages.proxy import Destination, allowed_destinations
+from ipyfence.packages.proxy import Destination, IndexProxy, allowed_destinations
 from ipyfence.packages.spec import parse_spec
 from tests.conftest import ClientFactory, require_bwrap, run_cell, text_of
 from tests.integration.test_install_package import build_wheel
@@ -376,3 +377,31 @@ def test_allowed_destinations_follow_pips_configuration(tmp_path: Path) -> None:
     assert Destination("git.example.org", 443, False) in vcs  # a spec's host: public addresses only
     direct = allowed_destinations(parse_spec("pkg @ https://dl.example.net:444/pkg-1.0.tar.gz"), env)
     assert Destination("dl.example.net", 444, False) in direct
+
+
+async def _ask(sock: Path, head: bytes) -> bytes:
+    reader, writer = await asyncio.open_unix_connection(str(sock))
+    writer.write(head)
+    await writer.drain()
+    data = await reader.read(200)
+    writer.close()
+    return data
+
+
+@pytest.mark.anyio
+async def test_proxy_refuses_private_addresses_unless_configured(tmp_path: Path, other_server: str) -> None:
+    """The host-side filter on its own: private only for configured indexes, bounded heads, nothing else."""
+    port = urlsplit(other_server).port
+    assert port is not None
+    connect = f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    sock = tmp_path / "p.sock"
+    async with IndexProxy.start(sock, frozenset({Destination("127.0.0.1", port, False)})) as proxy:
+        assert (await _ask(sock, connect)).startswith(b"HTTP/1.1 502")  # a spec/default host on loopback
+        other = f"CONNECT 127.0.0.1:{port + 1} HTTP/1.1\r\n\r\n".encode()
+        assert (await _ask(sock, other)).startswith(b"HTTP/1.1 403")  # not in the allow-list
+        assert (await _ask(sock, b"GET / HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n")).startswith(b"HTTP/1.1 431")
+        assert proxy.refused == [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    async with IndexProxy.start(sock, frozenset({Destination("127.0.0.1", port, True)})):
+        assert (await _ask(sock, connect)).startswith(b"HTTP/1.1 200")  # control: a configured index may be there
+        get = f"GET {other_server} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        assert b"other-server-secret" in await _ask(sock, get)

@@ -280,3 +280,10 @@ def test_scan_limit_is_announced_for_masks_and_protection(
     plan = plan_mounts(resolved_default(ws), sandbox_paths(tmp_path, ws))
     assert any("are NOT masked" in w for w in plan.warnings)
     assert any("deeper protected paths stay writable" in w for w in plan.warnings)
+
+
+def test_chdir_option_sets_the_working_directory(tmp_path: Path, ws: Path) -> None:
+    """install_package's pip starts in its private dir, never in the workspace the kernel writes."""
+    argv, _ = rendered(tmp_path, ws, resolved_default(ws), options=LaunchOptions(chdir="/private/pip-dir"))
+    assert argv[argv.index("--chdir") + 1] == "/private/pip-dir"
+    assert "--unshare-net" in sandbox_part(argv)
