@@ -14,6 +14,7 @@ it (configured index, so loopback is allowed for it) and nothing else.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import hashlib
 import http.server
@@ -31,10 +32,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import anyio
 import pytest
 
 from ipyfence.packages.installer import read_private_file
-from ipyfence.packages.proxy import Destination, IndexProxy, allowed_destinations
+from ipyfence.packages.proxy import Destination, IndexProxy, allowed_destinations, upstream_proxies
 from ipyfence.packages.spec import parse_spec
 from tests.conftest import ClientFactory, require_bwrap, run_cell, text_of
 from tests.integration.test_install_package import build_wheel
@@ -379,11 +381,15 @@ def test_allowed_destinations_follow_pips_configuration(tmp_path: Path) -> None:
     assert Destination("dl.example.net", 444, False) in direct
 
 
-async def _ask(sock: Path, head: bytes) -> bytes:
+async def _ask(sock: Path, head: bytes, until: bytes = b"\r\n\r\n") -> bytes:
+    """Send ``head``; what comes back up to ``until`` (or the end)."""
     reader, writer = await asyncio.open_unix_connection(str(sock))
     writer.write(head)
     await writer.drain()
-    data = await reader.read(200)
+    data = b""
+    with anyio.fail_after(20):
+        while until not in data and (chunk := await reader.read(4096)):
+            data += chunk
     writer.close()
     return data
 
@@ -404,4 +410,29 @@ async def test_proxy_refuses_private_addresses_unless_configured(tmp_path: Path,
     async with IndexProxy.start(sock, frozenset({Destination("127.0.0.1", port, True)})):
         assert (await _ask(sock, connect)).startswith(b"HTTP/1.1 200")  # control: a configured index may be there
         get = f"GET {other_server} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
-        assert b"other-server-secret" in await _ask(sock, get)
+        assert b"other-server-secret" in await _ask(sock, get, until=b"secret")
+
+
+@pytest.mark.anyio
+async def test_proxy_chains_to_the_hosts_own_proxy(tmp_path: Path) -> None:
+    """With HTTPS_PROXY on the host, allowed CONNECTs go through it (with its credentials); others never reach it."""
+    seen: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\nfrom-upstream")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    up_port = server.sockets[0].getsockname()[1]
+    sock = tmp_path / "p.sock"
+    allowed = frozenset({Destination("pypi.org", 443, False)})
+    env = upstream_proxies({"HTTPS_PROXY": f"http://user:pa%40ss@127.0.0.1:{up_port}", "NO_PROXY": "localhost"})
+    async with IndexProxy.start(sock, allowed, env):
+        answer = await _ask(sock, b"CONNECT pypi.org:443 HTTP/1.1\r\n\r\n", until=b"from-upstream")
+        assert answer.startswith(b"HTTP/1.1 200") and b"from-upstream" in answer, answer
+        assert (await _ask(sock, b"CONNECT evil.example:443 HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 403")
+    server.close()
+    assert len(seen) == 1 and seen[0].startswith(b"CONNECT pypi.org:443 HTTP/1.1"), seen
+    assert b"Proxy-Authorization: Basic " + base64.b64encode(b"user:pa@ss") in seen[0]

@@ -36,7 +36,7 @@ from ipyfence.errors import KernelError, PackageInstallError
 from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
 from ipyfence.packages.pipenv import pip_env
-from ipyfence.packages.proxy import IndexProxy, allowed_destinations
+from ipyfence.packages.proxy import IndexProxy, allowed_destinations, upstream_proxies
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.cgroups import KernelGroups
@@ -121,7 +121,9 @@ class PackageInstaller:
         async with contextlib.AsyncExitStack() as stack:
             if sandboxed_bwrap:
                 gate = await stack.enter_async_context(
-                    IndexProxy.start(work / PROXY_SOCKET, allowed_destinations(spec, os.environ))
+                    IndexProxy.start(
+                        work / PROXY_SOCKET, allowed_destinations(spec, os.environ), upstream_proxies(os.environ)
+                    )
                 )
                 env.update(gate.proxy_env())
                 argv = gate.forwarder_argv(argv)

@@ -15,6 +15,10 @@ its own loopback. Two pieces connect it to the package index and to nothing else
   loopback, private or link-local address is refused unless pip's configuration names it
   (a mirror on loopback or the LAN). Heads and connection counts are bounded.
 
+When the host itself goes out through a proxy (HTTPS_PROXY / HTTP_PROXY, minus NO_PROXY),
+allowed requests are chained to it; it then resolves the names, so the private-address
+check is its business.
+
 A unix socket crosses the namespace boundary without giving the sandbox any host network:
 it reaches exactly one listener, ours. Hand-written on asyncio rather than a library
 because the filter is the whole point and fits in a page; srt's proxy is used when the
@@ -24,6 +28,7 @@ srt backend is (it runs its own).
 from __future__ import annotations
 
 import asyncio
+import base64
 import configparser
 import contextlib
 import ipaddress
@@ -33,7 +38,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from packaging.requirements import InvalidRequirement, Requirement
 
@@ -175,6 +180,25 @@ def allowed_destinations(spec: PackageSpec, environ: Mapping[str, str]) -> froze
     return frozenset(found)
 
 
+def upstream_proxies(environ: Mapping[str, str]) -> dict[str, str]:
+    """The host's proxy settings (``{"http": url, "https": url, "no": hosts}``), as urllib reads them."""
+    found: dict[str, str] = {}
+    for key, value in environ.items():
+        name = key.lower()
+        if value and name in ("http_proxy", "https_proxy", "no_proxy"):
+            found.setdefault(name[: -len("_proxy")], value)
+    return found
+
+
+def _bypassed(host: str, no_proxy: str) -> bool:
+    """NO_PROXY as curl and requests read it: "*", exact names, and domain suffixes."""
+    for entry in (e.strip().lower().lstrip(".") for e in no_proxy.split(",")):
+        entry = entry.rsplit(":", 1)[0] if entry.count(":") == 1 else entry
+        if entry == "*" or (entry and (host == entry or host.endswith("." + entry))):
+            return True
+    return False
+
+
 def _split_host_port(authority: str) -> tuple[str, int]:
     host, sep, port = authority.rpartition(":")
     if not sep or not port.isdigit():
@@ -191,17 +215,22 @@ class _Refused(Exception):
 class IndexProxy:
     """The host side: an HTTP proxy on a unix socket that forwards only to ``allowed``."""
 
-    def __init__(self, socket_path: Path, allowed: frozenset[Destination]) -> None:
+    def __init__(
+        self, socket_path: Path, allowed: frozenset[Destination], upstream: Mapping[str, str] | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.allowed = {(d.host, d.port): d for d in allowed}
+        self.upstream = dict(upstream or {})  # the host's own proxies ({"https": url, "no": ...})
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._tasks: set[asyncio.Task[None]] = set()
         self.refused: list[str] = []  # "host:port" pip (or its build code) was not let through to
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, socket_path: Path, allowed: frozenset[Destination]) -> AsyncIterator[IndexProxy]:
-        proxy = cls(socket_path, allowed)
+    async def start(
+        cls, socket_path: Path, allowed: frozenset[Destination], upstream: Mapping[str, str] | None = None
+    ) -> AsyncIterator[IndexProxy]:
+        proxy = cls(socket_path, allowed, upstream)
         server = await asyncio.start_unix_server(proxy._accept, path=str(socket_path), limit=MAX_HEAD)
         try:
             yield proxy
@@ -265,8 +294,13 @@ class IndexProxy:
         except (ValueError, UnicodeDecodeError):
             await _reply(writer, "400 Bad Request", "not an HTTP proxy request")
             return
+        via = self._upstream_for("https" if method == "CONNECT" else "http", host)
         try:
-            up_reader, up_writer = await self._connect(host, port)
+            if via is None:
+                up_reader, up_writer = await self._connect(host, port)
+            else:
+                up_reader, up_writer = await self._connect_via(via, host, port, method, target, rest, lines)
+                rest = b""
         except _Refused as exc:
             self.refused.append(f"{host}:{port}")
             log.info("pip's proxy refused %s:%s: %s", host, port, exc)
@@ -275,11 +309,54 @@ class IndexProxy:
         try:
             if method == "CONNECT":
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:
+            elif rest:
                 up_writer.write(rest)
             await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
         finally:
             up_writer.close()
+
+    def _upstream_for(self, scheme: str, host: str) -> str | None:
+        """The host's proxy for this request (HTTPS_PROXY / HTTP_PROXY minus NO_PROXY), if any."""
+        url = self.upstream.get(scheme)
+        if not url or _bypassed(host, self.upstream.get("no", "")):
+            return None
+        return url
+
+    async def _connect_via(
+        self, via: str, host: str, port: int, method: str, target: str, rest: bytes, lines: list[bytes]
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Through the host's own proxy: the allow-list still applies; it resolves and reaches the host."""
+        if (host, port) not in self.allowed:
+            raise _Refused("403 Forbidden", f"ipyfence: {host}:{port} is not a package index pip is configured with")
+        parts = urlsplit(via if "://" in via else f"http://{via}")
+        auth = b""
+        if parts.username:
+            creds = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            auth = b"Proxy-Authorization: Basic " + base64.b64encode(creds) + b"\r\n"
+        try:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname, parts.port or 80, limit=65536), CONNECT_TIMEOUT
+            )
+        except (OSError, TimeoutError) as exc:
+            raise _Refused(
+                "502 Bad Gateway", f"ipyfence: the host's proxy {parts.hostname} is unreachable: {exc}"
+            ) from None
+        if method != "CONNECT":  # absolute-URI request, as the client sent it, plus our credentials
+            kept = [ln for ln in lines[1:] if ln and ln.split(b":", 1)[0].strip().lower() not in _DROP_HEADERS]
+            head = b"\r\n".join([f"{method} {target} HTTP/1.1".encode(), *kept, b"Connection: close", b""])
+            up_writer.write(head + auth + b"\r\n")
+            return up_reader, up_writer
+        up_writer.write(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode() + auth + b"\r\n")
+        try:
+            answer = await asyncio.wait_for(up_reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+            up_writer.close()
+            raise _Refused("502 Bad Gateway", f"ipyfence: the host's proxy did not answer: {exc!r}") from None
+        status = answer.split(b"\r\n", 1)[0].decode("latin-1")
+        if status.split(" ")[1:2] != ["200"]:
+            up_writer.close()
+            raise _Refused("502 Bad Gateway", f"ipyfence: the host's proxy refused {host}:{port}: {status}")
+        return up_reader, up_writer
 
     async def _connect(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         dest = self.allowed.get((host, port))
