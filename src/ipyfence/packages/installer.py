@@ -1,6 +1,10 @@
 """install_package: pip resolves and builds inside the sandbox; the server only moves files.
 
-Two sandboxed pip runs, both with the kernel's filesystem policy plus network:
+Two sandboxed pip runs, both with the kernel's filesystem policy, rlimits and (a cgroup of its
+own with) its cgroup limits, within one ``limits.installSeconds`` budget, started in pip's
+private directory with ``-P``/PYTHONSAFEPATH (nothing the kernel writes is on sys.path).
+Under bwrap pip has its own network namespace and reaches only the configured package index
+through packages/proxy.py:
 
 1. ``pip install --dry-run --report`` with the package directory on PYTHONPATH, so pip
    counts what the kernel can already import (user packages over the server's venv) as

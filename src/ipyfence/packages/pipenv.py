@@ -4,7 +4,9 @@ Plain pip reads PIP_* variables, the global config files (/etc/xdg/pip, /etc/pip
 the user's files under $HOME, and the proxy and certificate variables. The sandboxed pip
 gets a private, writable $HOME, so the user's pip config files are copied into it at the
 same relative places: pip then finds and layers them exactly as it would on the host.
-The workspace ``.env`` is never consulted (plain pip does not read it either).
+The workspace ``.env`` is never consulted (plain pip does not read it either). Under bwrap
+the proxy variables are then replaced by the index proxy's (packages/proxy.py), which
+chains to the host's own proxy when there is one.
 """
 
 from __future__ import annotations
