@@ -95,6 +95,7 @@ class LimitsPolicy:
     max_file_size_mb: int = 0  # largest file a process may write (RLIMIT_FSIZE)
     open_files: int = 0  # open file descriptors per process (RLIMIT_NOFILE)
     tmp_size_mb: int = 0  # size of the private /tmp tmpfs
+    install_seconds: int = 600  # wall-clock bound of each install_package pip run (0 = none)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ _LIMIT_KEYS = {
     "maxFileSizeMb": "max_file_size_mb",
     "openFiles": "open_files",
     "tmpSizeMb": "tmp_size_mb",
+    "installSeconds": "install_seconds",
 }
 
 

@@ -282,3 +282,10 @@ def test_scan_limit_is_announced_for_masks_and_protection(
     assert str(ws / "d9") in plan.unscanned and str(ws) not in plan.unscanned
     remounted = {p for _, p in pairs(argv, "--remount-ro")}
     assert set(plan.unscanned) <= remounted
+
+
+def test_chdir_option_sets_the_working_directory(tmp_path: Path, ws: Path) -> None:
+    """install_package's pip starts in its private dir, never in the workspace the kernel writes."""
+    argv, _ = rendered(tmp_path, ws, resolved_default(ws), options=LaunchOptions(chdir="/private/pip-dir"))
+    assert argv[argv.index("--chdir") + 1] == "/private/pip-dir"
+    assert "--unshare-net" in sandbox_part(argv)

@@ -1,6 +1,10 @@
 """install_package: pip resolves and builds inside the sandbox; the server only moves files.
 
-Two sandboxed pip runs, both with the kernel's filesystem policy plus network:
+Two sandboxed pip runs, both with the kernel's filesystem policy, rlimits and (a cgroup of its
+own with) its cgroup limits, within one ``limits.installSeconds`` budget, started in pip's
+private directory with ``-P``/PYTHONSAFEPATH (nothing the kernel writes is on sys.path).
+Under bwrap pip has its own network namespace and reaches only the configured package index
+through packages/proxy.py:
 
 1. ``pip install --dry-run --report`` with the package directory on PYTHONPATH, so pip
    counts what the kernel can already import (user packages over the server's venv) as
@@ -31,8 +35,10 @@ import importlib.metadata
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -46,16 +52,19 @@ from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
 from ipyfence.packages.manage import check_name, list_installed, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
+from ipyfence.packages.proxy import IndexProxy, allowed_destinations, upstream_proxies
 from ipyfence.packages.runtime_check import CheckResult, check_runtime, diagnose, last_error, may_change_start
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
 from ipyfence.packages.spec import PackageSpec, parse_spec
 from ipyfence.sandbox import bwrap
+from ipyfence.sandbox.cgroups import KernelGroups
 from ipyfence.sandbox.launch import args_file, build_launch, kernel_paths, sandboxed_exec, with_args_fd
-from ipyfence.settings import Settings
+from ipyfence.settings import Settings, platform_backend
 
 log = logging.getLogger(__name__)
 
-PIP_TIMEOUT = 900.0  # seconds for one pip run (resolve or install), builds included
+REPORT_MAX_BYTES = 16 * 1024 * 1024  # pip's --report for even a large dependency tree is far smaller
+PROXY_SOCKET = "index-proxy.sock"  # in pip's private dir: the sandbox's only way out
 OUTPUT_KEEP = 64_000  # bytes of pip output kept while it runs (the tail)
 ERROR_CHARS = 3000  # characters of pip output shown in an error
 REFRESH_TIMEOUT = 10.0  # seconds for the kernel to invalidate its import caches
@@ -68,6 +77,7 @@ class PackageInstaller:
         self.settings = settings
         self.session = session
         self._lock = asyncio.Lock()
+        self._deadline: tuple[Path, float] | None = None  # (pip's private dir, monotonic deadline)
 
     @property
     def cache_dir(self) -> Path:
@@ -209,24 +219,75 @@ class PackageInstaller:
     ) -> None:
         env = pip_env(self.settings, work, self.cache_dir)
         paths = kernel_paths(self.settings, work, self.session.factory.runtime_root)
-        # Network for pip only; writable: the cache and (for the install step) staging.
+        limits = self.settings.policy.limits
+        sandboxed_bwrap = self.settings.sandbox and platform_backend(self.settings) == "bwrap"
+        # Writable: the cache and (for the install step) staging. The working directory is pip's
+        # private dir, which no kernel can write: nothing of the workspace is ever on sys.path.
         launch_options = bwrap.LaunchOptions(
-            network=True, extra_writable=tuple(str(p) for p in (self.cache_dir, *writable))
+            network=not sandboxed_bwrap,  # bwrap: its own netns, the index reached only via the proxy
+            extra_writable=tuple(str(p) for p in (self.cache_dir, *writable)),
+            chdir=str(work),
         )
-        # "--" ends pip's options: a validated spec can never be read as one.
-        # "-P" and the private cwd: a pip/ or pip.py planted in the workspace is never imported; the
-        # seccomp step (kernel_boot --exec) keeps build code from the keyring and from unix sockets
-        # (the host's abstract sockets are reachable from pip's network namespace otherwise).
-        pip = [sys.executable, "-P", "-m", "pip", "install", "--quiet", *options, "--", *specs]
-        argv = sandboxed_exec(pip) if self.settings.sandbox else pip
-        launch = build_launch(self.settings, paths, env, argv, options=launch_options)
-        argv = with_args_fd(launch.argv, args_file(launch, work.parent / f"{work.name}.args"))
-        code, output = await _run(argv, launch.env, work, PIP_TIMEOUT)
+        # -P (and PYTHONSAFEPATH for every Python pip starts): no cwd or script dir on sys.path,
+        # so a planted ./pip/ can never run in pip's place. "--" ends pip's options: a validated
+        # spec can never be read as one.
+        argv = [sys.executable, "-P", "-m", "pip", "install", "--quiet", *options, "--", *specs]
+        # The seccomp step (kernel_boot --exec) keeps build code from the keyring and from creating
+        # unix sockets; the proxy's forwarder starts before it (it is the one unix client).
+        if self.settings.sandbox:
+            argv = sandboxed_exec(argv)
+        # One budget for the whole install (both pip runs share ``work``), not one per run.
+        if self._deadline is None or self._deadline[0] != work:
+            self._deadline = (work, time.monotonic() + limits.install_seconds)
+        timeout = max(0.0, self._deadline[1] - time.monotonic()) if limits.install_seconds else None
+        refused: list[str] = []
+        async with contextlib.AsyncExitStack() as stack:
+            if sandboxed_bwrap:
+                gate = await stack.enter_async_context(
+                    IndexProxy.start(
+                        work / PROXY_SOCKET, allowed_destinations(spec, os.environ), upstream_proxies(os.environ)
+                    )
+                )
+                env.update(gate.proxy_env())
+                argv = gate.forwarder_argv(argv)
+                refused = gate.refused
+            # Planning walks the workspace (for .env files): keep that off the event loop.
+            launch = await asyncio.to_thread(build_launch, self.settings, paths, env, argv, options=launch_options)
+            groups = self._groups()
+            run_argv = groups.wrap(launch.argv) if groups is not None else launch.argv
+            run_argv = with_args_fd(run_argv, args_file(launch, work.parent / f"{work.name}.args"))
+            try:
+                code, output = await _run(run_argv, launch.env, work, timeout, groups)
+            except _TimedOut as exc:
+                raise PackageInstallError(
+                    f"pip did not finish within limits.installSeconds={limits.install_seconds}s and was "
+                    f"stopped, with everything it started:\n{exc.tail}"
+                ) from None
+            finally:
+                if groups is not None:
+                    await asyncio.to_thread(groups.remove)
         if code != 0:
             where = "" if launch.backend == "none" else f" (in the {launch.backend} sandbox)"
+            note = ""
+            if refused:
+                shown = ", ".join(sorted(set(refused))[:5])
+                note = (
+                    f"\npip's network reaches only the package index it is configured with; refused: {shown}. "
+                    "Configure another index with PIP_INDEX_URL / PIP_EXTRA_INDEX_URL or pip.conf."
+                )
             raise PackageInstallError(
-                f"pip could not install {spec.text!r}{where}, exit code {code}:\n{trim_output(output)}"
+                f"pip could not install {spec.text!r}{where}, exit code {code}:\n{trim_output(output)}{note}"
             )
+
+    def _groups(self) -> KernelGroups | None:
+        """A cgroup with the kernel's limits for one pip run ("k" prefix: cleaned up like a kernel's)."""
+        cgroups = self.session.factory.cgroups
+        if cgroups is None:
+            return None
+        try:
+            return cgroups.for_kernel(f"kpip-{secrets.token_hex(4)}")
+        except OSError as exc:  # the hierarchy worked at start-up: refuse rather than run unlimited
+            raise PackageInstallError(f"could not set up the cgroup limits for pip: {exc}") from None
 
     async def _refresh_kernel(self) -> None:
         """Make the running kernel see new files now. Call with ``session.lock`` held."""
@@ -256,7 +317,15 @@ class PackageInstaller:
         log.warning("the kernel did not confirm the import-cache refresh within %.0fs", REFRESH_TIMEOUT)
 
 
-async def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> tuple[int, str]:
+class _TimedOut(Exception):
+    def __init__(self, tail: str) -> None:
+        super().__init__("timed out")
+        self.tail = tail
+
+
+async def _run(
+    argv: list[str], env: dict[str, str], cwd: Path, timeout: float | None, groups: KernelGroups | None = None
+) -> tuple[int, str]:
     """Run argv (no shell) in its own process group; keep the output's tail; kill on timeout/cancel."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -281,23 +350,26 @@ async def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) 
     try:
         await asyncio.wait_for(drain(), timeout)
     except TimeoutError:
-        _kill(proc.pid)
+        await _kill(proc.pid, groups)
         await proc.wait()
-        tail = trim_output(buf.decode(errors="replace"))
-        raise PackageInstallError(f"pip did not finish within {timeout:.0f}s and was stopped:\n{tail}") from None
+        raise _TimedOut(trim_output(buf.decode(errors="replace"))) from None
     finally:
         if proc.returncode is None:  # cancelled
-            _kill(proc.pid)
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(_kill(proc.pid, groups))
             with contextlib.suppress(BaseException):
                 await asyncio.shield(proc.wait())
     assert proc.returncode is not None
     return proc.returncode, buf.decode(errors="replace")
 
 
-def _kill(pid: int) -> None:
-    # bwrap's pid namespace takes every sandboxed process with it; unsandboxed, the group does.
+async def _kill(pid: int, groups: KernelGroups | None) -> None:
+    # bwrap's pid namespace takes every sandboxed process with it; unsandboxed, the group does;
+    # the cgroup catches anything that left both (a daemonised build step).
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    if groups is not None:
+        await asyncio.to_thread(groups.remove)
 
 
 def trim_output(output: str, limit: int = ERROR_CHARS) -> str:
@@ -313,13 +385,34 @@ def trim_output(output: str, limit: int = ERROR_CHARS) -> str:
 
 def _report_items(report: Path) -> list[dict[str, Any]]:
     try:
-        data = json.loads(report.read_text())
+        data = json.loads(read_private_file(report, REPORT_MAX_BYTES))
         items = data["install"]
         assert isinstance(items, list)
     except (OSError, ValueError, KeyError, AssertionError) as exc:
         raise PackageInstallError(f"pip's installation report could not be read: {exc}") from None
     # Requested first, then dependencies, each in pip's order.
     return sorted(items, key=lambda it: not it.get("requested", False))
+
+
+def read_private_file(path: Path, limit: int) -> bytes:
+    """A file sandboxed code could have replaced: never through a link, never a FIFO or device.
+
+    O_NOFOLLOW refuses a symlink (no redirect to a host file); O_NONBLOCK makes opening a
+    FIFO return at once instead of waiting for a writer that never comes.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path.name} is larger than {limit} bytes")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{path.name} is larger than {limit} bytes")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _pin(item: dict[str, Any]) -> str:

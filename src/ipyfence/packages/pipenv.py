@@ -4,7 +4,9 @@ Plain pip reads PIP_* variables, the global config files (/etc/xdg/pip, /etc/pip
 the user's files under $HOME, and the proxy and certificate variables. The sandboxed pip
 gets a private, writable $HOME, so the user's pip config files are copied into it at the
 same relative places: pip then finds and layers them exactly as it would on the host.
-The workspace ``.env`` is never consulted (plain pip does not read it either).
+The workspace ``.env`` is never consulted (plain pip does not read it either). Under bwrap
+the proxy variables are then replaced by the index proxy's (packages/proxy.py), which
+chains to the host's own proxy when there is one.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ def pip_env(
             # pip sees what the kernel sees: user packages over the server's environment.
             "PYTHONPATH": str(settings.packages_dir),
             "PYTHONNOUSERSITE": "1",
+            # No cwd or script directory on sys.path for pip or any Python it starts: pip's cwd
+            # is its private dir, but build code could write there between the two pip runs.
+            "PYTHONSAFEPATH": "1",
             "PIP_CACHE_DIR": str(cache_dir),
             "PIP_NO_INPUT": "1",
             "PIP_PROGRESS_BAR": "off",

@@ -4,7 +4,8 @@ Safety flags that are always on (not options): a new session (no TIOCSTI into th
 server's terminal), die with the parent, every capability dropped (bwrap keeps them for
 root otherwise, and with them kernel code could unmount its own masks), new user, pid,
 ipc, uts and cgroup namespaces, a fresh /proc, a private /tmp, and a cleared environment.
-The network namespace is unshared unless the policy allows network (install_package's pip).
+The network namespace is always unshared for kernels, and for install_package's pip too (it
+reaches the index through a unix socket to a filtering proxy, see packages/proxy.py).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ _BIND, _PIN, _SEAL, _REBIND, _HIDE, _MASK, _READONLY, _REALLOW, _KERNEL = range(
 class LaunchOptions:
     """Per-launch choices that are not part of the user's policy."""
 
-    network: bool = False  # share the host network (only for pip in install_package)
+    network: bool = False  # share the host network (nothing uses it under bwrap; srt: its index proxy)
     extra_writable: tuple[str, ...] = ()  # e.g. the package dir and pip cache while installing
     die_with_stdin: bool = False  # kill everything inside when stdin (a pipe the server holds) closes
+    chdir: str = ""  # working directory inside ("" = the kernel's private dir); never the workspace
 
 
 DEFAULT_OPTIONS = LaunchOptions()
@@ -146,8 +148,9 @@ def render(
     cmd += ["--tmpfs", "/dev/shm"]
     for op in _mount_ops(plan, paths, options):
         cmd += op
-    # Start in the private dir: nothing in the workspace is imported before user code (kernel_boot).
-    cmd += ["--chdir", str(paths.kernel_dir), "--"]
+    # Start in the private dir (or where the launch asks): nothing in the workspace is imported
+    # before user code (kernel_boot), and pip never runs from it.
+    cmd += ["--chdir", options.chdir or str(paths.kernel_dir), "--"]
     if options.die_with_stdin:
         cmd += ["/bin/sh", "-c", STDIN_WATCH, "ipyfence-watch"]
     cmd += [*limits_prefix(policy.limits), *argv]
