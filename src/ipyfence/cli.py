@@ -248,6 +248,7 @@ def render_policy_report(settings: Settings) -> str:
         "limits": vars(settings.policy.limits),
         "weakenings": weakenings(settings.policy, settings.workspace),
         "kernel_env_keys": sorted(env),
+        "kernel_lockdown (always, in the sandbox)": _lockdown_report(settings, env),
     }
     if launch.plan is not None:
         report["mounts"] = {
@@ -279,6 +280,23 @@ def render_policy_report(settings: Settings) -> str:
         text += f"\n\n# {args_path} (0600, read by bwrap on fd {ARGS_FD} for --args; never on a command line)\n"
         text += "\n".join(lines)
     return text
+
+
+def _lockdown_report(settings: Settings, env: dict[str, str]) -> dict[str, Any]:
+    """The in-kernel rules of kernel_boot, from the same configuration the kernel gets."""
+    if not settings.sandbox:
+        return {}
+    cfg = json.loads(env.get("IPYFENCE_KERNEL", "{}"))
+    unix = "allowed (network.allowAllUnixSockets)" if cfg.get("allow_unix_sockets") else "refused after start-up"
+    return {
+        "start": "python -m ipyfence.kernel_boot from the read-only install; cwd = private dir; PYTHONSAFEPATH",
+        "landlock_writes_only_beneath": cfg.get("writable", []),
+        "landlock_only_sockets_beneath": cfg.get("sockets", []),
+        "landlock_scopes": "abstract unix sockets, signals (Landlock ABI >= 6)",
+        "seccomp_socket_AF_UNIX": unix,
+        "seccomp_refused": ["keyctl", "add_key", "request_key", "io_uring_setup", "foreign syscall ABIs"],
+        "then": "chdir to the workspace and add it to sys.path, before any cell",
+    }
 
 
 def _redact_env(argv: list[str], settings: Settings) -> list[str]:
