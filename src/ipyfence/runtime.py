@@ -111,7 +111,7 @@ def remove_stale_runtime_dirs(parent: Path) -> None:
             try:
                 with safefs.opened_dir(parent_fd, name) as fd:
                     pid = int(_read_small(fd, OWNER_FILE).strip())
-                    if _alive(pid):
+                    if pid_alive(pid):
                         continue
                     with contextlib.suppress(OSError):
                         remove_placeholders(_read_small(fd, PLACEHOLDERS_FILE).splitlines())
@@ -122,7 +122,8 @@ def remove_stale_runtime_dirs(parent: Path) -> None:
         os.close(parent_fd)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ipyfence.errors import ConfigError
+from ipyfence.runtime import pid_alive
 
 WORKSPACE_FILE = "workspace"  # the absolute workspace path, one line
 RUNNING_DIR = "running"  # one empty file per live server, named by its pid
@@ -30,16 +31,6 @@ class StateInfo:
     servers: int  # registered MCP servers
     size_bytes: int
     running: tuple[int, ...]  # pids of live servers using it
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def mark_running(state_dir: Path, workspace: Path) -> Path:
@@ -78,7 +69,7 @@ def _info(directory: Path) -> StateInfo:
     running: list[int] = []
     with contextlib.suppress(OSError):
         for name in os.listdir(directory / RUNNING_DIR):
-            if name.isdigit() and _pid_alive(int(name)):
+            if name.isdigit() and pid_alive(int(name)):
                 running.append(int(name))
     return StateInfo(directory, workspace, packages, servers, _size(directory), tuple(sorted(running)))
 

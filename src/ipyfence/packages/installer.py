@@ -52,6 +52,7 @@ from ipyfence.kernel import KernelSession
 from ipyfence.packages.layout import Replaced, install_staged
 from ipyfence.packages.manage import check_name, list_installed, owner_of, render_listing, uninstall
 from ipyfence.packages.pipenv import pip_env
+from ipyfence.packages.proctail import drain_tail
 from ipyfence.packages.proxy import IndexProxy, allowed_destinations, upstream_proxies
 from ipyfence.packages.runtime_check import CheckResult, check_runtime, diagnose, last_error, may_change_start
 from ipyfence.packages.runtime_pins import explain_conflict, runtime_dists, shadowing, write_constraints
@@ -338,17 +339,8 @@ async def _run(
     )
     assert proc.stdout is not None
     buf = bytearray()
-
-    async def drain() -> None:
-        assert proc.stdout is not None
-        while chunk := await proc.stdout.read(65536):
-            buf.extend(chunk)
-            if len(buf) > OUTPUT_KEEP:
-                del buf[: len(buf) - OUTPUT_KEEP]
-        await proc.wait()
-
     try:
-        await asyncio.wait_for(drain(), timeout)
+        await asyncio.wait_for(drain_tail(proc, buf, OUTPUT_KEEP), timeout)
     except TimeoutError:
         await _kill(proc.pid, groups)
         await proc.wait()

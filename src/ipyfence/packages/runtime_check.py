@@ -28,6 +28,7 @@ from pathlib import Path
 from ipyfence.errors import SandboxError
 from ipyfence.packages.layout import dist_name_version
 from ipyfence.packages.manage import owner_of, tops_of
+from ipyfence.packages.proctail import drain_tail
 from ipyfence.packages.runtime_pins import Shadow, shadowing, top_level_names
 from ipyfence.sandbox import bwrap
 from ipyfence.sandbox.cgroups import Cgroups
@@ -189,17 +190,8 @@ async def _run(argv: list[str], env: dict[str, str], cwd: Path, *, lifeline: boo
             os.close(read_end)
     assert proc.stdout is not None
     buf = bytearray()
-
-    async def drain() -> None:
-        assert proc.stdout is not None
-        while chunk := await proc.stdout.read(65536):
-            buf.extend(chunk)
-            if len(buf) > OUTPUT_KEEP:
-                del buf[: len(buf) - OUTPUT_KEEP]
-        await proc.wait()
-
     try:
-        await asyncio.wait_for(drain(), CHECK_TIMEOUT)
+        await asyncio.wait_for(drain_tail(proc, buf, OUTPUT_KEEP), CHECK_TIMEOUT)
     except TimeoutError:
         buf.extend(f"\n(the check did not finish within {CHECK_TIMEOUT:.0f}s)".encode())
     finally:
