@@ -177,6 +177,7 @@ class KernelFactory:
                 await self.stop(kernel)
                 raise
         await self._wait_ready(kernel)
+        (self.runtime_root / f"k{n}.args").unlink(missing_ok=True)  # bwrap read it at start
         return kernel
 
     def _groups(self, name: str) -> KernelGroups | None:
@@ -226,6 +227,8 @@ class KernelFactory:
         shutil.rmtree(kernel.kernel_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             kernel.log_path.unlink()
+        with contextlib.suppress(OSError):
+            kernel.kernel_dir.with_name(f"{kernel.kernel_dir.name}.args").unlink()
 
     def remove_runtime_root(self) -> None:
         if self.cgroups is not None:

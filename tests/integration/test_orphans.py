@@ -21,9 +21,9 @@ DELAYS = [0.05 * i for i in range(1, 13)]  # 50 ms … 600 ms after spawn: befor
 
 
 def test_parent_guard_sets_the_death_signal_before_checking_the_parent() -> None:
-    argv = parent_guard(["bwrap", "--", "python"], 4242)
+    argv = parent_guard(["bwrap", "--", "python"], 4242, "/run/k1.args")
     assert argv[:4] == ["setpriv", "--pdeathsig", "KILL", "--"]
-    assert argv[-4:] == ["4242", "bwrap", "--", "python"]
+    assert argv[-5:] == ["4242", "/run/k1.args", "bwrap", "--", "python"]
 
 
 @pytest.mark.parametrize("delay", DELAYS)

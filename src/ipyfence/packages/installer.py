@@ -256,7 +256,8 @@ class PackageInstaller:
             launch = await asyncio.to_thread(build_launch, self.settings, paths, env, argv, options=launch_options)
             groups = self._groups()
             run_argv = groups.wrap(launch.argv) if groups is not None else launch.argv
-            run_argv = with_args_fd(run_argv, args_file(launch, work.parent / f"{work.name}.args"))
+            args_path = work.parent / f"{work.name}.args"
+            run_argv = with_args_fd(run_argv, args_file(launch, args_path))
             try:
                 code, output = await _run(run_argv, launch.env, work, timeout, groups)
             except _TimedOut as exc:
@@ -265,6 +266,7 @@ class PackageInstaller:
                     f"stopped, with everything it started:\n{exc.tail}"
                 ) from None
             finally:
+                args_path.unlink(missing_ok=True)
                 if groups is not None:
                     await asyncio.to_thread(groups.remove)
         if code != 0:

@@ -150,9 +150,11 @@ async def check_runtime(
             build_launch, settings, paths, env, [sys.executable, "-c", CHECK_SCRIPT], options=options
         )
         argv = groups.wrap(launch.argv) if groups is not None else launch.argv
-        argv = with_args_fd(argv, args_file(launch, work.parent / f"{work.name}.args"))
+        args_path = work.parent / f"{work.name}.args"
+        argv = with_args_fd(argv, args_file(launch, args_path))
         code, output = await _run(argv, launch.env, work, lifeline=launch.backend == "bwrap")
     finally:
+        (work.parent / f"{work.name}.args").unlink(missing_ok=True)
         if groups is not None:
             await asyncio.to_thread(groups.remove)
         shutil.rmtree(work, ignore_errors=True)

@@ -90,6 +90,8 @@ def kernel_config(settings: Settings, kernel_dir: Path, backend: str, private_di
     """What the kernel's trusted start-up (kernel_boot) needs: nothing secret."""
     fs = settings.policy.filesystem
     writable = [str(settings.workspace), *(p for p in fs.allow_write if not is_glob(p)), "/tmp", "/dev"]
+    if backend == "bwrap":  # its own /proc (e.g. /proc/self/oom_score_adj); /proc/sys & co. are read-only binds
+        writable.append("/proc")
     if backend != "bwrap":  # srt: the kernel's own files stay in its private dir
         writable += [*private_dirs, str(kernel_dir / "tmp")]
     return {
@@ -207,5 +209,7 @@ def kernel_argv(connection_file: Path) -> list[str]:
     # pipguard: %pip / !pip install answer with a pointer to install_package (idempotent, so a
     # trusted start-up step may install it as well).
     guard = "--IPKernelApp.extra_extensions=ipyfence.pipguard"
+    # History in memory: a full private /tmp (tmpSizeMb) must not break the shell's sqlite file.
+    memory_history = "--HistoryManager.hist_file=:memory:"
     # kernel_boot (the server's read-only install) locks the kernel down, then runs ipykernel_launcher.
-    return [sys.executable, "-m", "ipyfence.kernel_boot", "-f", str(connection_file), guard]
+    return [sys.executable, "-m", "ipyfence.kernel_boot", "-f", str(connection_file), guard, memory_history]
