@@ -21,7 +21,7 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from tests.conftest import IPYFENCE, require_bwrap, run_cell, server_env
+from tests.conftest import IPYFENCE, require_bwrap, require_srt, run_cell, server_env
 
 pytestmark = pytest.mark.anyio
 KEY_SECRET = f"key-{uuid.uuid4().hex[:12]}"
@@ -122,12 +122,17 @@ async def _run(workspace: Path, state_dir: Path, home_socket: Path, *args: str) 
     return {line.split()[0]: line for line in text.splitlines() if line.startswith("A")}
 
 
-@pytest.mark.parametrize("mode", ["sandboxed", "no-sandbox"])
+@pytest.mark.parametrize("mode", ["sandboxed", "srt", "no-sandbox"])
 async def test_boundary_attacks(workspace: Path, state_dir: Path, sockets: Path, mode: str) -> None:
+    """bwrap and srt alike: under srt the /proc binds are srt's to make, so Landlock (writes only beneath
+    the writable roots) and the in-kernel seccomp filter are what stop these attacks there."""
     require_bwrap()
-    outcome = await _run(workspace, state_dir, sockets, *(("--no-sandbox",) if mode == "no-sandbox" else ()))
+    if mode == "srt":
+        require_srt()
+    args = {"sandboxed": (), "srt": ("--sandbox-backend", "srt"), "no-sandbox": ("--no-sandbox",)}[mode]
+    outcome = await _run(workspace, state_dir, sockets, *args)
     assert len(outcome) == 5, outcome
-    if mode == "sandboxed":
+    if mode != "no-sandbox":
         blocked = {k: v for k, v in outcome.items() if "BLOCKED" not in v}
         assert not blocked, blocked
         assert KEY_SECRET not in "".join(outcome.values())

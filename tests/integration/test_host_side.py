@@ -169,3 +169,33 @@ def test_runtime_dirs_never_trust_a_shared_tmp(tmp_path: Path, monkeypatch: pyte
     os.chown(shared, os.geteuid(), os.getegid())
     root = runtime.make_runtime_root()
     assert root.parent == shared and not stale.exists() and not placeholder.exists() and victim.is_dir()
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "srt", "no-sandbox"])
+async def test_kernel_start_never_imports_from_the_workspace(make_client: Any, workspace: Path, mode: str) -> None:
+    """Class 2: modules planted in the workspace that a kernel start would import (the launcher,
+    site hooks, IPython's own dependencies) never run when reset() starts the next kernel."""
+    from tests.conftest import require_srt
+
+    require_bwrap()
+    if mode == "srt":
+        require_srt()
+    names = ["ipykernel_launcher", "sitecustomize", "usercustomize", "traitlets", "ipyfence"]
+    plant = "import os\n" + "".join(
+        f"open('{n}.py', 'w').write(\"open('planted-{n}.ran', 'w').write('x')\\n\")\n" for n in names
+    )
+    plant += "open('mymodule.py', 'w').write('VALUE = 42\\n')\n"
+    args = {"bwrap": (), "srt": ("--sandbox-backend", "srt"), "no-sandbox": ("--no-sandbox",)}[mode]
+    async with make_client(*args) as client:
+        text, err = await run_cell(client, plant)
+        assert not err, text
+        result = await client.call_tool("reset", {})
+        assert not result.is_error, text_of(result)
+        await client.call_tool("reset", {})  # the standby too: both later kernels start clean
+        text, err = await run_cell(client, "import os, mymodule; print(os.getcwd(), mymodule.VALUE)")
+        assert not err and f"{workspace} 42" in text, text
+    ran = sorted(p.name for p in workspace.glob("planted-*.ran"))
+    assert ran == [], f"planted modules ran at kernel start: {ran}"
+    # Control: Python started the old way (cwd = workspace) runs the plant.
+    subprocess.run([sys.executable, "-c", "import sitecustomize"], cwd=workspace, timeout=60, check=False)
+    assert (workspace / "planted-sitecustomize.ran").exists()
