@@ -249,6 +249,13 @@ def render_policy_report(settings: Settings) -> str:
         "weakenings": weakenings(settings.policy, settings.workspace),
         "kernel_env_keys": sorted(env),
         "kernel_lockdown (always, in the sandbox)": _lockdown_report(settings, env),
+        "hidden_host_dirs_why": (
+            "/run, /var/run, /tmp, /var/tmp (and the host's /dev/shm) hold other programs' sockets and files: "
+            "the kernel sees empty read-only directories there, plus a private /tmp and /dev/shm of its own. "
+            "So a sibling of a workspace under /tmp is not visible; only the workspace itself is bound in."
+        )
+        if settings.sandbox
+        else "",
     }
     if launch.plan is not None:
         report["mounts"] = {

@@ -24,6 +24,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.kernelspec import KernelSpec
 from jupyter_client.manager import AsyncKernelManager
 
+from ipyfence import gitexclude
 from ipyfence.errors import KernelError, KernelStartError
 from ipyfence.runtime import PLACEHOLDERS_FILE, make_runtime_root, remove_placeholders
 from ipyfence.sandbox import integrity
@@ -106,12 +107,17 @@ class KernelFactory:
         self._counter = itertools.count(1)
         self.spawned = asyncio.Event()  # set once the first kernel process has been launched
         self._placeholders: list[str] = []  # protected paths bwrap created as empty mount points
+        self._excluded: list[str] = []  # placeholder files named in the repo's .git/info/exclude
 
     def _remember_placeholders(self, plan: MountPlan) -> None:
         new = [p for p in (*plan.absent_files, *plan.absent_dirs) if p not in self._placeholders]
         if new:
             self._placeholders += new
             (self.runtime_root / PLACEHOLDERS_FILE).write_text("\n".join(self._placeholders))
+        files = [p for p in plan.absent_files if p not in self._excluded]
+        if files:  # keep placeholder files out of `git status` / `git add -A` while we run
+            self._excluded += files
+            gitexclude.exclude(self.settings.workspace, self._excluded)
 
     async def start(self) -> RunningKernel:
         n = next(self._counter)
@@ -234,4 +240,6 @@ class KernelFactory:
         if self.cgroups is not None:
             self.cgroups.close()
         remove_placeholders(self._placeholders, trusted=True)  # this server's own, in-memory list
+        if self._excluded:
+            gitexclude.restore(self.settings.workspace)
         shutil.rmtree(self.runtime_root, ignore_errors=True)
