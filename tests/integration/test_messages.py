@@ -21,6 +21,9 @@ async def test_refused_writes_and_ipybox_leftovers_get_a_note(make_client: Any, 
     (pkg / "__init__.py").write_text("")
     (pkg / "search.py").write_text("from mcpygen.runtime import call\n")  # what ipybox 0.9 generates
     async with make_client() as client:
+        import ipyfence
+
+        assert client.server_info is not None and client.server_info.version == ipyfence.__version__
         text, err = await run_cell(client, "open('.git/config', 'a').write('x')")
         assert err and ".git is a protected path" in text and "allowGitConfig: true" in text, text
         text, err = await run_cell(client, "open('/etc/ipyfence-note-test', 'w')")
