@@ -19,6 +19,7 @@ import functools
 import hashlib
 import http.server
 import io
+import ipaddress
 import json
 import os
 import secrets
@@ -36,7 +37,7 @@ import anyio
 import pytest
 
 from ipyfence.packages.installer import read_private_file
-from ipyfence.packages.proxy import Destination, IndexProxy, allowed_destinations, upstream_proxies
+from ipyfence.packages.proxy import Destination, IndexProxy, allowed_destinations, is_public, upstream_proxies
 from ipyfence.packages.spec import parse_spec
 from tests.conftest import ClientFactory, require_bwrap, run_cell, text_of
 from tests.integration.test_install_package import build_wheel
@@ -379,6 +380,31 @@ def test_allowed_destinations_follow_pips_configuration(tmp_path: Path) -> None:
     assert Destination("git.example.org", 443, False) in vcs  # a spec's host: public addresses only
     direct = allowed_destinations(parse_spec("pkg @ https://dl.example.net:444/pkg-1.0.tar.gz"), env)
     assert Destination("dl.example.net", 444, False) in direct
+
+    # A spec URL on the configured (loopback) index: one entry, still allowed to be private,
+    # whatever the set order (two entries used to leave it to the hash seed).
+    on_index = allowed_destinations(parse_spec("pkg @ http://127.0.0.1:8080/files/pkg-1.0.tar.gz"), mirror)
+    assert [d for d in on_index if d.host == "127.0.0.1"] == [Destination("127.0.0.1", 8080, True)]
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("2002:808:808::", True),  # 6to4 of a public IPv4
+        ("64:ff9b::808:808", True),  # NAT64 of a public IPv4
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("::1", False),
+        ("::ffff:127.0.0.1", False),  # IPv4-mapped
+        ("::127.0.0.1", False),  # IPv4-compatible: is_global says True on 3.11
+        ("2002:7f00:1::", False),  # 6to4 of loopback: is_global says True
+        ("64:ff9b::7f00:1", False),  # NAT64 of loopback: is_global says True
+    ],
+)
+def test_private_addresses_are_seen_through_ipv6_forms(address: str, public: bool) -> None:
+    assert is_public(ipaddress.ip_address(address)) is public
 
 
 async def _ask(sock: Path, head: bytes, until: bytes = b"\r\n\r\n") -> bytes:

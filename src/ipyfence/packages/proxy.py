@@ -178,7 +178,34 @@ def allowed_destinations(spec: PackageSpec, environ: Mapping[str, str]) -> froze
             spec_url = Requirement(spec.text).url
     if spec_url and (d := _destination(spec_url, private_ok=False)):
         found.add(d)
-    return frozenset(found)
+    # One entry per host:port: a spec URL on a configured index keeps the index's private_ok
+    # (two entries would leave the proxy's choice to set order, which hash seeds change).
+    merged: dict[tuple[str, int], bool] = {}
+    for d in found:
+        merged[(d.host, d.port)] = merged.get((d.host, d.port), False) or d.private_ok
+    return frozenset(Destination(host, port, ok) for (host, port), ok in merged.items())
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """A global address, also when an IPv6 form embeds an IPv4 one (mapped, compatible, 6to4, NAT64).
+
+    ``is_global`` alone calls ``::127.0.0.1``, ``2002:7f00:1::`` and ``64:ff9b::7f00:1`` global
+    on Python 3.11; on a host that routes them they reach its loopback or LAN.
+    """
+    if not address.is_global:
+        return False
+    if isinstance(address, ipaddress.IPv6Address):
+        packed = address.packed
+        embedded = [address.ipv4_mapped, address.sixtofour]
+        if address in _NAT64 or packed[:12] == bytes(12):  # NAT64 and IPv4-compatible: last 32 bits
+            embedded.append(ipaddress.IPv4Address(packed[12:]))
+        if address.teredo:
+            embedded.append(address.teredo[1])
+        return all(v4.is_global for v4 in embedded if v4 is not None)
+    return True
 
 
 def upstream_proxies(environ: Mapping[str, str]) -> dict[str, str]:
@@ -220,7 +247,10 @@ class IndexProxy:
         self, socket_path: Path, allowed: frozenset[Destination], upstream: Mapping[str, str] | None = None
     ) -> None:
         self.socket_path = socket_path
-        self.allowed = {(d.host, d.port): d for d in allowed}
+        self.allowed: dict[tuple[str, int], Destination] = {}
+        for d in allowed:  # a host:port listed twice is private_ok if either entry is
+            seen = self.allowed.get((d.host, d.port))
+            self.allowed[(d.host, d.port)] = d if seen is None or d.private_ok else seen
         self.upstream = dict(upstream or {})  # the host's own proxies ({"https": url, "no": ...})
         self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -370,7 +400,7 @@ class IndexProxy:
             raise _Refused("502 Bad Gateway", f"ipyfence: cannot resolve {host}: {exc}") from None
         for _family, _type, _proto, _name, sockaddr in infos:
             address = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
-            if not address.is_global and not dest.private_ok:
+            if not dest.private_ok and not is_public(address):
                 continue
             with contextlib.suppress(OSError, TimeoutError):
                 # To the address checked, not the name again: a second lookup could answer differently.
