@@ -306,3 +306,32 @@ async def test_home_as_workspace_protects_every_startup_file(make_client: Any, t
     assert "PROJECT OK" in text, text
     wrote = text.count("WROTE ")
     assert wrote == (len(targets) if mode == "no-sandbox" else 0), text
+
+
+async def test_kernel_made_env_symlink_cannot_stop_later_kernels(make_client: Any, workspace: Path) -> None:
+    """A `.env` symlink the kernel plants (to /dev/zero) must not make every later kernel fail to start."""
+    require_bwrap()
+    async with make_client() as client:
+        text, err = await run_cell(
+            client, "import os; os.symlink('/dev/zero', '.env'); os.symlink('/dev/zero', 'sub.env')"
+        )
+        assert not err, text
+        await client.call_tool("reset", {})
+        text, err = await run_cell(client, "print('alive', 6 * 7)")
+        assert not err and "alive 42" in text, text
+    assert (workspace / ".env").is_symlink()  # the plant is real
+
+
+def test_helpers_are_never_found_in_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `bwrap` planted in the workspace (the server's cwd, or `.` on PATH) is never the one used."""
+    import os
+
+    from ipyfence.sandbox.launch import find_bwrap
+
+    planted = tmp_path / "bwrap"
+    planted.write_text("#!/bin/sh\nexit 0\n")
+    planted.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f".::{tmp_path}:{os.environ['PATH']}")
+    found = find_bwrap()
+    assert found != str(planted) and not found.startswith(str(tmp_path)), found

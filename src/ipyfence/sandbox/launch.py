@@ -123,8 +123,20 @@ def merge_search_paths(base: Mapping[str, str], user: Mapping[str, str]) -> dict
     return merged
 
 
+def trusted_path() -> str:
+    """The server's PATH for finding its own helpers (bwrap, srt): no empty or relative entries and
+    nothing under the server's working directory, which is often the workspace the kernel writes."""
+    cwd = os.path.realpath(os.getcwd())
+    kept = [
+        p
+        for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+        if os.path.isabs(p) and not (os.path.realpath(p) + "/").startswith(cwd.rstrip("/") + "/")
+    ]
+    return os.pathsep.join(kept) or "/usr/bin:/bin"
+
+
 def find_bwrap() -> str:
-    found = shutil.which("bwrap")
+    found = shutil.which("bwrap", path=trusted_path())
     if not found:
         raise SandboxUnavailableError(
             "bubblewrap (bwrap) is not installed, so the kernel cannot be sandboxed.\n"

@@ -484,7 +484,9 @@ def plan_mounts(policy: Policy, paths: SandboxPaths) -> MountPlan:
     literal = [literal_path(p) for p in fs.deny_read if not is_glob(p) and os.path.lexists(literal_path(p))]
     deny_files = globbed_files + [p for p in literal if not os.path.isdir(p)]
     deny_dirs = globbed_dirs + [p for p in literal if os.path.isdir(p)]
-    masked_files = [p for p in deny_files if not _matches(p, fs.allow_read)]
+    # A symlink holds no secret itself (what it points at is checked where it lives), and bwrap
+    # cannot mount onto one: masking it would let a kernel-made `.env` link stop every later kernel.
+    masked_files = [p for p in deny_files if not _matches(p, fs.allow_read) and not os.path.islink(p)]
     hidden = [p for p in deny_dirs if not _matches(p, fs.allow_read)]
     reallowed = [
         literal_path(p)

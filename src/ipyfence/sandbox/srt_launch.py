@@ -20,7 +20,7 @@ from ipyfence.errors import SandboxUnavailableError
 from ipyfence.policy import Policy
 from ipyfence.sandbox import srt
 from ipyfence.sandbox.bwrap import LaunchOptions
-from ipyfence.sandbox.launch import Launch
+from ipyfence.sandbox.launch import Launch, trusted_path
 from ipyfence.sandbox.plan import SandboxPaths, plan_mounts
 from ipyfence.settings import Settings
 
@@ -38,7 +38,7 @@ def target_platform() -> srt.Platform:
 
 
 def find_srt() -> str:
-    found = shutil.which("srt")
+    found = shutil.which("srt", path=trusted_path())
     if not found:
         raise SandboxUnavailableError(
             "sandbox-runtime (srt) is not installed, so the kernel cannot be sandboxed with the srt backend.\n"
@@ -53,7 +53,7 @@ def tool_dirs(srt_path: str) -> list[str]:
     """Directories srt must find on PATH: node (srt's interpreter), bwrap, socat, rg."""
     dirs = [os.path.dirname(os.path.realpath(srt_path)), os.path.dirname(srt_path)]
     for name in ("node", "bwrap", "socat", "rg", "setpriv", "setsid", "prlimit"):
-        found = shutil.which(name)
+        found = shutil.which(name, path=trusted_path())
         if found:
             dirs.append(os.path.dirname(found))
     return list(dict.fromkeys(d for d in dirs if d))
